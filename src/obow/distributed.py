@@ -1,0 +1,73 @@
+"""Thin wrappers over ``torch.distributed`` that fall back to the identity in a single process.
+
+OBoW keeps every process's vocabulary identical: sampled words are gathered in rank order, the temperature
+statistic and k-means statistics are averaged or summed, random choices are made on rank 0 and broadcast
+(official notes 2.5). All of that goes through the functions here, so the single-process code path is the
+same code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def is_main_process() -> bool:
+    return rank() == 0
+
+
+@torch.no_grad()
+def all_reduce_sum(tensor: Tensor) -> Tensor:
+    """Sum of ``tensor`` over processes (a new tensor; the input is left as it is)."""
+    if not is_distributed():
+        return tensor.clone()
+    out = tensor.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+@torch.no_grad()
+def all_reduce_mean(tensor: Tensor) -> Tensor:
+    """Mean of ``tensor`` over processes."""
+    return all_reduce_sum(tensor) / world_size()
+
+
+@torch.no_grad()
+def all_reduce_max(tensor: Tensor) -> Tensor:
+    """Element-wise maximum of ``tensor`` over processes."""
+    if not is_distributed():
+        return tensor.clone()
+    out = tensor.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
+@torch.no_grad()
+def all_gather_cat(tensor: Tensor) -> Tensor:
+    """Concatenate ``tensor`` (same shape on every process) along dim 0, in rank order."""
+    if not is_distributed():
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts, dim=0)
+
+
+@torch.no_grad()
+def broadcast_(tensor: Tensor, src: int = 0) -> Tensor:
+    """Overwrite ``tensor`` in place with its value on process ``src``."""
+    if is_distributed():
+        dist.broadcast(tensor, src=src)
+    return tensor

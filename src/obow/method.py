@@ -1,0 +1,201 @@
+"""The OBoW model: student, EMA teacher, per-level BoW extractors, BoW prediction head and loss.
+
+One call of :meth:`OBoW.forward` in training mode is the maths of one training step (official notes 2.1):
+
+1. the teacher becomes ``alpha * teacher + (1 - alpha) * student`` (parameters only, paper eq. 2), with
+   ``alpha`` from the cosine schedule at the current iteration;
+2. the vocabularies ``V_t`` are snapshotted for the student's head;
+3. the teacher maps the unperturbed images to one BoW target per level, updating the temperature
+   statistics, then the vocabularies (so ``V_{t+1}`` only takes effect at the next step);
+4. each group of student views (e.g. 2 x 160 px crops, 5 x 96 px patches) goes through the student on its
+   own, and its ``pool5`` features predict every level's BoW through the head over ``V_t``;
+5. the loss: KL(target || prediction), averaged over a group's views and over levels, summed over groups
+   (official notes 2.8); ``loss_weighting="view_mean"`` averages over all views instead.
+
+The caller does the backward pass and the optimiser step.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from obow.backbones import ResNetBackbone
+from obow.bow import BoWExtractor, BoWTargets
+from obow.config import LOSS_WEIGHTINGS, MOMENTUM_SCHEDULES, ModelConfig
+from obow.predictor import BoWPredictor, DynamicBoWPredictor, FixedBoWPredictor
+from obow.schedules import teacher_momentum
+from obow.validation import check_choice, check_unit_interval
+from obow.vocabulary import KMeansVocabulary, QueueVocabulary
+
+
+def bow_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """``KL(y_T || softmax(logits))`` averaged over all ``B * n`` predictions (official notes 2.8).
+
+    ``logits`` is ``[B, n, K]`` (``n`` views of each image, image-major), ``targets`` is ``[B, K]``. Its
+    gradient is that of the paper's cross-entropy (eq. 3); its value is that minus the targets' entropy, so
+    a perfect prediction scores 0. Zero target entries contribute exactly 0 (``0 log 0 = 0``).
+    """
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    cross_entropy = -(targets.unsqueeze(1) * log_probs).sum(dim=-1)
+    neg_entropy = torch.special.xlogy(targets, targets).sum(dim=-1, keepdim=True)
+    return (cross_entropy + neg_entropy).mean()
+
+
+@dataclass
+class OBoWOutput:
+    """The loss to back-propagate and detached diagnostics (``metrics``), computed without extra passes."""
+
+    loss: Tensor
+    metrics: dict[str, Tensor]
+    targets: dict[str, Tensor]
+
+
+class OBoW(nn.Module):
+    """Student, EMA teacher, one :class:`~obow.bow.BoWExtractor` per level and a BoW prediction head.
+
+    Args:
+        student: the backbone being trained; the teacher starts as an exact copy and never gets gradients.
+        extractors: level name (e.g. ``"conv4"``) -> extractor holding that level's vocabulary.
+        predictor: the head mapping ``pool5`` features to every level's BoW logits.
+        total_iterations: length of the run, for the teacher momentum schedule.
+        teacher_momentum: ``alpha`` at iteration 0 (0.99).
+        teacher_momentum_schedule: ``"cosine"`` (to 1 at the end) or ``"constant"``.
+        loss_weighting: ``"group_sum"`` (official) or ``"view_mean"``.
+    """
+
+    def __init__(
+        self,
+        student: ResNetBackbone,
+        extractors: Mapping[str, BoWExtractor],
+        predictor: BoWPredictor,
+        *,
+        total_iterations: int,
+        teacher_momentum: float = 0.99,
+        teacher_momentum_schedule: str = "cosine",
+        loss_weighting: str = "group_sum",
+    ) -> None:
+        super().__init__()
+        if not extractors:
+            raise ValueError("extractors must hold at least one BoW level")
+        if isinstance(total_iterations, bool) or not isinstance(total_iterations, int) or total_iterations < 1:
+            raise ValueError(f"total_iterations must be a positive integer, got {total_iterations!r}")
+        check_unit_interval("teacher_momentum", teacher_momentum)
+        check_choice("teacher_momentum_schedule", teacher_momentum_schedule, MOMENTUM_SCHEDULES)
+        check_choice("loss_weighting", loss_weighting, LOSS_WEIGHTINGS)
+        self.student = student
+        self.teacher = copy.deepcopy(student).requires_grad_(False)
+        self.levels = tuple(extractors)
+        self.extractors = nn.ModuleDict(extractors)
+        self.predictor = predictor
+        self.total_iterations = total_iterations
+        self.base_momentum = float(teacher_momentum)
+        self.momentum_schedule = teacher_momentum_schedule
+        self.loss_weighting = loss_weighting
+        self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, total_iterations: int) -> OBoW:
+        """Assemble the model a :class:`~obow.config.ModelConfig` describes."""
+        student = ResNetBackbone(cfg.arch, cfg.stem)
+        extractors = {}
+        for level in cfg.levels:
+            channels = student.level_channels[level]
+            if cfg.vocabulary == "queue":
+                vocabulary = QueueVocabulary(cfg.num_words, channels, cfg.queue_sampling)
+            else:
+                vocabulary = KMeansVocabulary(cfg.num_words, channels, cfg.kmeans_momentum, cfg.rare_word_steps)
+            extractors[level] = BoWExtractor(
+                vocabulary,
+                delta_base=cfg.delta_base,
+                assignment=cfg.assignment,
+                pooling=cfg.pooling,
+                border=cfg.border,
+                temperature_momentum=cfg.temperature_momentum,
+                temperature_init=cfg.temperature_init,
+                sinkhorn_epsilon=cfg.sinkhorn_epsilon,
+                sinkhorn_iterations=cfg.sinkhorn_iterations,
+            )
+        if cfg.head == "dynamic":
+            word_dims = [student.level_channels[level] for level in cfg.levels]
+            predictor: BoWPredictor = DynamicBoWPredictor(word_dims, student.num_features, cfg.kappa)
+        else:
+            predictor = FixedBoWPredictor([cfg.num_words] * len(cfg.levels), student.num_features, cfg.kappa)
+        return cls(
+            student,
+            extractors,
+            predictor,
+            total_iterations=total_iterations,
+            teacher_momentum=cfg.teacher_momentum,
+            teacher_momentum_schedule=cfg.teacher_momentum_schedule,
+            loss_weighting=cfg.loss_weighting,
+        )
+
+    def current_momentum(self) -> float:
+        """``alpha`` for the step about to run."""
+        return teacher_momentum(int(self.iteration), self.total_iterations, self.base_momentum, self.momentum_schedule)
+
+    @torch.no_grad()
+    def update_teacher(self, momentum: float) -> None:
+        """``theta_T <- momentum * theta_T + (1 - momentum) * theta_S`` over parameters only; the teacher's
+        batch-norm statistics are its own (official notes 2.10)."""
+        if momentum >= 1.0:
+            return
+        teacher = list(self.teacher.parameters())
+        student = [p.detach() for p in self.student.parameters()]
+        torch._foreach_lerp_(teacher, student, 1.0 - momentum)
+
+    @torch.no_grad()
+    def teacher_targets(self, images: Tensor, update: bool | None = None) -> dict[str, BoWTargets]:
+        """BoW targets of every level for the teacher's views ``[B, 3, H, W]``."""
+        maps = self.teacher(images, levels=self.levels).maps
+        return {level: self.extractors[level](maps[level], update=update) for level in self.levels}
+
+    def forward(self, teacher_images: Tensor, student_views: Sequence[Tensor]) -> OBoWOutput:
+        """One step's maths. ``student_views``: one tensor per view group, ``[B, n, 3, h, w]`` or ``[B, 3, h, w]``.
+
+        In training mode this updates the teacher, the temperature statistics and the vocabularies.
+        """
+        if len(student_views) == 0:
+            raise ValueError("student_views must hold at least one group of views")
+        batch = teacher_images.shape[0]
+        groups = [v if v.dim() == 5 else v.unsqueeze(1) for v in student_views]
+        for i, views in enumerate(groups):
+            if views.dim() != 5 or views.shape[0] != batch:
+                raise ValueError(
+                    f"student_views[{i}] must be [B, n, 3, h, w] or [B, 3, h, w] with B={batch} "
+                    f"(the teacher batch), got {tuple(student_views[i].shape)}"
+                )
+
+        metrics: dict[str, Tensor] = {}
+        if self.training:
+            momentum = self.current_momentum()
+            self.update_teacher(momentum)
+            self.iteration += 1
+            metrics["teacher_momentum"] = torch.tensor(momentum)
+        vocabularies = [self.extractors[level].vocabulary.words.clone() for level in self.levels]
+        bows = self.teacher_targets(teacher_images)
+        for level, bow in bows.items():
+            metrics.update({f"{level}/{k}": v for k, v in bow.diagnostics.items()})
+
+        weights = self.predictor.weights(vocabularies)
+        total_views = sum(v.shape[1] for v in groups)
+        loss = teacher_images.new_zeros((), dtype=torch.float32)
+        for g, views in enumerate(groups):
+            n = views.shape[1]
+            features = self.student(views.flatten(0, 1)).pool5
+            logits = self.predictor(features, weights)
+            level_losses = []
+            for level, z in zip(self.levels, logits, strict=True):
+                level_loss = bow_loss(z.view(batch, n, -1), bows[level].targets)
+                metrics[f"loss/group{g}/{level}"] = level_loss.detach()
+                level_losses.append(level_loss)
+            group_loss = torch.stack(level_losses).mean()
+            loss = loss + (group_loss if self.loss_weighting == "group_sum" else group_loss * (n / total_views))
+        metrics["loss"] = loss.detach()
+        return OBoWOutput(loss=loss, metrics=metrics, targets={k: b.targets for k, b in bows.items()})

@@ -1,0 +1,80 @@
+"""BoW prediction heads: the dynamic weight generator (paper section 3.2) and a fixed linear head.
+
+The student predicts the BoW of every level from its single ``pool5`` vector ``S(x~)`` (official notes 2.6):
+``y_S(x~)[k] = softmax_k(kappa * <w_k, S(x~)>)`` with unit-norm weights ``w_k`` and an unnormalised
+``S(x~)``: a scaled dot product, not a cosine (the authors report that normalising ``S`` costs a little).
+
+* :class:`DynamicBoWPredictor`: ``w_k = G_l(v_k)``, one weight generator per level applied to the whole
+  current vocabulary every step, so the head follows a vocabulary whose words are replaced constantly.
+* :class:`FixedBoWPredictor`: free, learned ``w_k`` per word slot (the paper's Table 3 ablation); it cannot
+  follow a refreshing queue, which is the point of the ablation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from obow.validation import check_positive
+
+
+class WeightGenerator(nn.Module):
+    """``G(v)``: L2-normalise -> Linear(no bias) -> BatchNorm1d -> ReLU -> Linear -> L2-normalise.
+
+    The hidden width is ``2 * feature_dim``. The batch norm's batch is the ``K`` words of the vocabulary (it
+    is deliberately not synchronised across processes: every process holds the same vocabulary).
+    """
+
+    def __init__(self, word_dim: int, feature_dim: int) -> None:
+        super().__init__()
+        hidden = 2 * feature_dim
+        self.fc1 = nn.Linear(word_dim, hidden, bias=False)
+        self.bn = nn.BatchNorm1d(hidden)
+        self.fc2 = nn.Linear(hidden, feature_dim)
+
+    def forward(self, words: Tensor) -> Tensor:
+        hidden = F.relu(self.bn(self.fc1(F.normalize(words, dim=1))))
+        return F.normalize(self.fc2(hidden), dim=1)
+
+
+class BoWPredictor(nn.Module):
+    """Common interface: :meth:`weights` once per step, then :meth:`forward` for every student view group."""
+
+    def __init__(self, kappa: float) -> None:
+        super().__init__()
+        check_positive("kappa", kappa)
+        self.kappa = float(kappa)
+
+    def weights(self, vocabularies: Sequence[Tensor]) -> list[Tensor]:
+        """Unit-norm prediction weights ``[K, c]`` for each level's vocabulary ``[K, C_l]``."""
+        raise NotImplementedError
+
+    def forward(self, features: Tensor, weights: Sequence[Tensor]) -> list[Tensor]:
+        """Logits ``kappa * S(x~) W_l^T`` of shape ``[M, K]`` per level, from ``[M, c]`` student features."""
+        return [self.kappa * features @ w.t() for w in weights]
+
+
+class DynamicBoWPredictor(BoWPredictor):
+    """The dynamic BoW prediction head: one :class:`WeightGenerator` per BoW level."""
+
+    def __init__(self, word_dims: Sequence[int], feature_dim: int, kappa: float = 8.0) -> None:
+        super().__init__(kappa)
+        self.generators = nn.ModuleList(WeightGenerator(c, feature_dim) for c in word_dims)
+
+    def weights(self, vocabularies: Sequence[Tensor]) -> list[Tensor]:
+        return [g(v) for g, v in zip(self.generators, vocabularies, strict=True)]
+
+
+class FixedBoWPredictor(BoWPredictor):
+    """A learned weight vector per word slot and level, L2-normalised and scaled by ``kappa`` like the
+    dynamic head, so that the two differ only in where the weights come from (Table 3 ablation)."""
+
+    def __init__(self, num_words: Sequence[int], feature_dim: int, kappa: float = 8.0) -> None:
+        super().__init__(kappa)
+        self.slot_weights = nn.ParameterList(nn.Parameter(0.01 * torch.randn(k, feature_dim)) for k in num_words)
+
+    def weights(self, vocabularies: Sequence[Tensor]) -> list[Tensor]:
+        return [F.normalize(w, dim=1) for w in self.slot_weights]

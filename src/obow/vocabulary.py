@@ -1,0 +1,174 @@
+"""Online vocabularies of visual words (paper section 3.1 and appendix "On-line k-means").
+
+Every rule is a :class:`Vocabulary`: an ``nn.Module`` whose words ``[K, C]`` and statistics are registered
+buffers, and whose :meth:`Vocabulary.update` is called once per training step, after that step's targets
+were computed, with the border-free teacher map of the level, the distances and (for balanced k-means) the
+Sinkhorn codes.
+
+* :class:`QueueVocabulary`: a FIFO ring of ``K`` words; each step every image of the (global) batch pushes
+  one feature: (a) ``"local"``, a random location; (b) ``"global_average"``, the average over locations;
+  (c) ``"local_average"`` (default), a random location of the 3x3, stride-1, unpadded local average.
+* :class:`KMeansVocabulary`: online k-means with exponential moving averages of counts ``N_k`` and sums
+  ``M_k`` (``v_k = M_k / N_k``, VQ-VAE style), optionally replacing words that have not been any location's
+  nearest word for ``rare_word_steps`` steps by a random local feature of the current batch; when the
+  extractor's assignment is ``"sinkhorn"``, the balanced codes weight the statistics.
+
+In a distributed run every process applies identical updates: sampled features are gathered in rank order,
+statistics are summed over processes, and random replacements are drawn on rank 0 and broadcast.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from obow import distributed as D
+from obow.validation import check_choice, check_unit_interval
+
+QUEUE_SAMPLINGS = ("local_average", "local", "global_average")
+
+
+def sample_one_feature_per_image(feature_map: Tensor, mode: str = "local_average") -> Tensor:
+    """One ``C``-dimensional feature per image of a ``[B, C, H, W]`` map (paper section 3.1, options a-c)."""
+    check_choice("queue_sampling", mode, QUEUE_SAMPLINGS)
+    if mode == "global_average":
+        return feature_map.mean(dim=(2, 3))
+    if mode == "local_average":
+        h, w = feature_map.shape[-2:]
+        if h < 3 or w < 3:
+            raise ValueError(
+                f"queue_sampling='local_average' needs a map of at least 3x3 after border removal, got {h}x{w}; "
+                "use larger teacher views, a stem with a smaller stride, or queue_sampling='local'"
+            )
+        feature_map = F.avg_pool2d(feature_map, kernel_size=3, stride=1, padding=0)
+    b, c = feature_map.shape[:2]
+    flat = feature_map.flatten(2)
+    index = torch.randint(flat.shape[2], (b,), device=flat.device)
+    return flat[torch.arange(b, device=flat.device), :, index]
+
+
+class Vocabulary(nn.Module):
+    """Base class: ``K`` words of dimension ``C``, initialised to ReLU'd Gaussian noise (official notes 2.5).
+
+    Subclasses implement :meth:`update`, which returns a dict of diagnostics (possibly empty).
+    """
+
+    def __init__(self, num_words: int, num_channels: int) -> None:
+        super().__init__()
+        for name, value in (("num_words", num_words), ("num_channels", num_channels)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.num_words = num_words
+        self.num_channels = num_channels
+        self.register_buffer("words", torch.randn(num_words, num_channels).clamp_min_(0.0))
+
+    def update(self, feature_map: Tensor, distances: Tensor, codes: Tensor | None) -> dict[str, Tensor]:
+        """Refresh the words with one step's border-free teacher map ``[B, C, H, W]``.
+
+        ``distances`` ``[B, H*W, K]`` are to the current words; ``codes`` are given for Sinkhorn assignment.
+        """
+        raise NotImplementedError
+
+
+class QueueVocabulary(Vocabulary):
+    """FIFO queue of the ``K`` most recently sampled teacher features (the paper's default vocabulary).
+
+    Buffers: ``words`` and ``ptr`` (the slot the next feature goes to). The global batch must divide ``K``
+    (official notes 2.5), which keeps every enqueued block contiguous.
+    """
+
+    def __init__(self, num_words: int, num_channels: int, sampling: str = "local_average") -> None:
+        super().__init__(num_words, num_channels)
+        check_choice("queue_sampling", sampling, QUEUE_SAMPLINGS)
+        self.sampling = sampling
+        self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
+
+    @torch.no_grad()
+    def update(self, feature_map: Tensor, distances: Tensor, codes: Tensor | None) -> dict[str, Tensor]:
+        new_words = D.all_gather_cat(sample_one_feature_per_image(feature_map, self.sampling))
+        n = new_words.shape[0]
+        if self.num_words % n != 0:
+            raise ValueError(
+                f"num_words={self.num_words} must be a multiple of the global batch size ({n} images "
+                f"over {D.world_size()} process(es)): the queue enqueues one word per image per step"
+            )
+        slots = (self.ptr + torch.arange(n, device=self.ptr.device)) % self.num_words
+        self.words.index_copy_(0, slots, new_words.to(self.words.dtype))
+        self.ptr.copy_((self.ptr + n) % self.num_words)
+        return {}
+
+
+class KMeansVocabulary(Vocabulary):
+    """Online k-means with exponential moving averages (appendix, equations for ``N_k`` and ``M_k``).
+
+    ``N_k <- gamma N_k + (1 - gamma) n_k`` and ``M_k <- gamma M_k + (1 - gamma) m_k`` with ``n_k``, ``m_k``
+    the count and sum of the batch's local features assigned to word ``k`` (nearest word, or the Sinkhorn
+    codes as weights); ``v_k = M_k / N_k``. Both start at zero, so a word jumps to the mean of its first
+    assigned features (the ratio needs no bias correction); a word assigned nothing keeps its value.
+
+    With ``rare_word_steps`` (paper: 1000), a word that has not been the nearest word of any location for
+    more than that many steps is replaced by a random local feature of the current batch and its statistics
+    reset. At most one replacement per image of the global batch per step; the stalest words go first.
+
+    Buffers: ``words``, ``counts`` (``N``), ``sums`` (``M``), ``last_assigned`` and ``step``.
+    """
+
+    def __init__(
+        self, num_words: int, num_channels: int, momentum: float = 0.99, rare_word_steps: int | None = 1000
+    ) -> None:
+        super().__init__(num_words, num_channels)
+        check_unit_interval("kmeans_momentum", momentum, closed=False)
+        if rare_word_steps is not None and (not isinstance(rare_word_steps, int) or rare_word_steps < 1):
+            raise ValueError(f"rare_word_steps must be a positive integer or None, got {rare_word_steps!r}")
+        self.momentum = float(momentum)
+        self.rare_word_steps = rare_word_steps
+        self.register_buffer("counts", torch.zeros(num_words))
+        self.register_buffer("sums", torch.zeros(num_words, num_channels))
+        self.register_buffer("last_assigned", torch.zeros(num_words, dtype=torch.long))
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    @torch.no_grad()
+    def update(self, feature_map: Tensor, distances: Tensor, codes: Tensor | None) -> dict[str, Tensor]:
+        k, c = self.num_words, self.num_channels
+        features = feature_map.flatten(2).transpose(1, 2).reshape(-1, c)
+        nearest = distances.reshape(-1, k).argmin(dim=1)
+        if codes is None:
+            batch_counts = torch.bincount(nearest, minlength=k).to(features.dtype)
+            batch_sums = torch.zeros(k, c, device=features.device).index_add_(0, nearest, features)
+        else:
+            weights = codes.reshape(-1, k)
+            batch_counts = weights.sum(dim=0)
+            batch_sums = weights.t() @ features
+        batch_counts = D.all_reduce_sum(batch_counts)
+        batch_sums = D.all_reduce_sum(batch_sums)
+        g = self.momentum
+        self.counts.mul_(g).add_(batch_counts, alpha=1 - g)
+        self.sums.mul_(g).add_(batch_sums, alpha=1 - g)
+        assigned = batch_counts > 0
+        centroids = self.sums / self.counts.clamp_min(torch.finfo(self.counts.dtype).tiny).unsqueeze(1)
+        self.words.copy_(torch.where(assigned.unsqueeze(1), centroids, self.words))
+
+        self.step += 1
+        hit = torch.zeros(k, device=features.device)
+        hit[nearest] = 1.0
+        self.last_assigned.copy_(torch.where(D.all_reduce_max(hit) > 0, self.step, self.last_assigned))
+        diagnostics = {"words_updated": assigned.float().mean()}
+        if self.rare_word_steps is not None:
+            diagnostics["rare_words_replaced"] = self._replace_rare_words(feature_map)
+        return diagnostics
+
+    def _replace_rare_words(self, feature_map: Tensor) -> Tensor:
+        stale = self.step - self.last_assigned
+        rare = torch.nonzero(stale > self.rare_word_steps).flatten()
+        if rare.numel() == 0:
+            return torch.zeros((), device=self.words.device)
+        candidates = D.all_gather_cat(sample_one_feature_per_image(feature_map, "local"))
+        n = min(rare.numel(), candidates.shape[0])
+        rare = rare[torch.argsort(stale[rare], descending=True, stable=True)[:n]]
+        choice = D.broadcast_(torch.randperm(candidates.shape[0], device=candidates.device)[:n])
+        self.words[rare] = candidates[choice].to(self.words.dtype)
+        self.counts[rare] = 0.0
+        self.sums[rare] = 0.0
+        self.last_assigned[rare] = self.step
+        return torch.tensor(float(n), device=self.words.device)

@@ -1,0 +1,65 @@
+import numpy as np
+import pytest
+import torch
+
+from obow.predictor import DynamicBoWPredictor, FixedBoWPredictor, WeightGenerator
+
+from reference import np64
+from reference import weight_generator as ref_weight_generator
+
+
+def test_weight_generator_matches_reference_and_has_unit_norm_outputs():
+    gen = WeightGenerator(word_dim=12, feature_dim=6).train()
+    torch.nn.init.normal_(gen.bn.weight, 1.0, 0.3)
+    torch.nn.init.normal_(gen.bn.bias, 0.0, 0.3)
+    words = torch.randn(40, 12).relu()
+    out = gen(words)
+    assert out.shape == (40, 6)
+    torch.testing.assert_close(out.norm(dim=1), torch.ones(40))
+    expected = ref_weight_generator(
+        np64(words),
+        np64(gen.fc1.weight),
+        np64(gen.bn.weight),
+        np64(gen.bn.bias),
+        np64(gen.fc2.weight),
+        np64(gen.fc2.bias),
+    )
+    np.testing.assert_allclose(np64(out), expected, rtol=1e-4, atol=1e-5)
+    assert gen.fc1.bias is None and gen.fc1.out_features == 12  # hidden width 2c, no bias before the BN
+
+
+def test_weight_generator_is_invariant_to_the_scale_of_words():
+    gen = WeightGenerator(8, 4).eval()
+    words = torch.randn(10, 8).relu() + 0.1
+    torch.testing.assert_close(gen(words), gen(words * 37.0))
+
+
+def test_dynamic_logits_are_kappa_times_dot_products_with_unnormalised_features():
+    head = DynamicBoWPredictor(word_dims=[16, 32], feature_dim=8, kappa=5.0).train()
+    vocabs = [torch.randn(20, 16).relu(), torch.randn(20, 32).relu()]
+    features = torch.randn(7, 8) * 3  # not normalised, on purpose (official notes 2.6)
+    weights = head.weights(vocabs)
+    logits = head(features, weights)
+    for w, z in zip(weights, logits, strict=True):
+        np.testing.assert_allclose(np64(z), 5.0 * np64(features) @ np64(w).T, rtol=1e-5, atol=1e-5)
+    # permuting the words permutes the logits (the dynamic head is equivariant to word order)
+    perm = torch.randperm(20)
+    head.eval()
+    z1 = head(features, head.weights([v[perm] for v in vocabs]))[0]
+    z0 = head(features, head.weights(vocabs))[0]
+    torch.testing.assert_close(z1, z0[:, perm])
+
+
+def test_fixed_head_ignores_the_vocabulary():
+    head = FixedBoWPredictor(num_words=[20], feature_dim=8, kappa=8.0)
+    features = torch.randn(3, 8)
+    a = head(features, head.weights([torch.randn(20, 4)]))[0]
+    b = head(features, head.weights([torch.randn(20, 4)]))[0]
+    torch.testing.assert_close(a, b)
+    w = head.weights([torch.empty(0)])[0]
+    torch.testing.assert_close(w.norm(dim=1), torch.ones(20))
+
+
+def test_kappa_must_be_positive():
+    with pytest.raises(ValueError, match="kappa"):
+        DynamicBoWPredictor([4], 4, kappa=0.0)

@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import Any, TypeVar
 
-from obow.backbones import ARCHITECTURES, LEVEL_TO_STAGE, STEMS
+import yaml
+
+from obow.backbones import ARCHITECTURES, LEVEL_TO_STAGE, STEMS, feature_map_size
 from obow.bow import ASSIGNMENTS, POOLINGS
 from obow.validation import check_choice, check_positive, check_unit_interval
 from obow.vocabulary import QUEUE_SAMPLINGS
@@ -25,6 +28,8 @@ VOCABULARIES = ("queue", "kmeans")
 HEADS = ("dynamic", "fixed")
 MOMENTUM_SCHEDULES = ("cosine", "constant")
 LOSS_WEIGHTINGS = ("group_sum", "view_mean")
+#: Smallest side a BoW level's map may have after border removal (room for the 3x3 local average).
+MIN_BOW_MAP = 3
 
 
 class ConfigError(ValueError):
@@ -90,6 +95,182 @@ class ModelConfig:
         check_unit_interval("model.teacher_momentum", self.teacher_momentum)
         check_choice("model.teacher_momentum_schedule", self.teacher_momentum_schedule, MOMENTUM_SCHEDULES)
         check_choice("model.loss_weighting", self.loss_weighting, LOSS_WEIGHTINGS)
+
+
+@dataclass
+class ViewsConfig:
+    """The teacher's view and the student's crops and patches (paper appendix, official notes 2.11).
+
+    Defaults are the paper's ImageNet sizes: teacher Resize(256) + CenterCrop(224) + flip; 2 x 160 px
+    random-resized crops of scale (0.08, 0.6) with colour jitter, grayscale, blur and flip; 5 of a 3x3 grid of
+    96 px patches (jitter 24 px) cut from a 256 px random-resized crop of scale (0.6, 1), without blur.
+    """
+
+    teacher_resize: int = 256
+    teacher_size: int = 224
+    num_crops: int = 2
+    crop_size: int = 160
+    crop_scale: tuple[float, ...] = (0.08, 0.6)
+    num_patches: int = 5
+    patch_size: int = 96
+    patch_jitter: int = 24
+    patch_grid_size: int = 256
+    patch_scale: tuple[float, ...] = (0.6, 1.0)
+    color_jitter: tuple[float, ...] = (0.4, 0.4, 0.4, 0.1)
+    color_jitter_prob: float = 0.8
+    grayscale_prob: float = 0.2
+    blur_prob: float = 0.5
+    blur_sigma: tuple[float, ...] = (0.1, 2.0)
+    mean: tuple[float, ...] = (0.485, 0.456, 0.406)
+    std: tuple[float, ...] = (0.229, 0.224, 0.225)
+
+    def __post_init__(self) -> None:
+        for name in ("teacher_resize", "teacher_size", "crop_size", "patch_size", "patch_grid_size"):
+            _check_int(f"views.{name}", getattr(self, name), minimum=1)
+        for name in ("num_crops", "num_patches", "patch_jitter"):
+            _check_int(f"views.{name}", getattr(self, name), minimum=0)
+        if self.num_crops + self.num_patches == 0:
+            raise ConfigError("views.num_crops + views.num_patches must be >= 1: the student needs views")
+        if self.num_patches > 9:
+            raise ConfigError(f"views.num_patches must be <= 9 (a 3x3 grid), got {self.num_patches}")
+        if self.teacher_resize < self.teacher_size:
+            raise ConfigError(
+                f"views.teacher_resize ({self.teacher_resize}) must be >= views.teacher_size ({self.teacher_size})"
+            )
+        if self.num_patches and self.patch_grid_size < self.patch_size + self.patch_jitter:
+            raise ConfigError(
+                f"views.patch_grid_size ({self.patch_grid_size}) must be >= views.patch_size + views.patch_jitter "
+                f"({self.patch_size + self.patch_jitter})"
+            )
+        for name in ("crop_scale", "patch_scale"):
+            lo_hi = getattr(self, name)
+            if len(lo_hi) != 2 or not 0 < lo_hi[0] <= lo_hi[1] <= 1:
+                raise ConfigError(f"views.{name} must be [low, high] with 0 < low <= high <= 1, got {list(lo_hi)}")
+        if len(self.color_jitter) != 4 or min(self.color_jitter) < 0 or self.color_jitter[3] > 0.5:
+            raise ConfigError(
+                "views.color_jitter must be [brightness, contrast, saturation, hue], all >= 0, hue <= 0.5, "
+                f"got {list(self.color_jitter)}"
+            )
+        for name in ("color_jitter_prob", "grayscale_prob", "blur_prob"):
+            check_unit_interval(f"views.{name}", getattr(self, name))
+        if len(self.blur_sigma) != 2 or not 0 < self.blur_sigma[0] <= self.blur_sigma[1]:
+            raise ConfigError(f"views.blur_sigma must be [low, high] with 0 < low <= high, got {list(self.blur_sigma)}")
+        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
+            raise ConfigError("views.mean and views.std must hold 3 numbers each, std > 0")
+
+
+LABEL_MODES = ("auto", "folders", "none")
+
+
+@dataclass
+class DataConfig:
+    """Where the images are and how they are batched. ``batch_size`` is global (divided among processes)."""
+
+    path: str | None = None
+    val_path: str | None = None
+    labels: str = "auto"
+    images_per_class: int | None = None
+    batch_size: int = 256
+    num_workers: int = 8
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        check_choice("data.labels", self.labels, LABEL_MODES)
+        _check_int("data.batch_size", self.batch_size, minimum=1)
+        _check_int("data.num_workers", self.num_workers, minimum=0)
+        if self.images_per_class is not None:
+            _check_int("data.images_per_class", self.images_per_class, minimum=1)
+
+
+@dataclass
+class OptimConfig:
+    """SGD with a linear warm-up then a cosine learning rate (official notes 2.12)."""
+
+    epochs: int = 200
+    lr: float = 0.03
+    warmup_epochs: float = 10.0
+    end_lr: float = 3e-5
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 1e-4
+    cosine_per_epoch: bool = True
+    decay_norm_and_bias: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("optim.epochs", self.epochs, minimum=1)
+        check_positive("optim.lr", self.lr)
+        check_positive("optim.warmup_epochs", self.warmup_epochs, allow_zero=True)
+        if self.warmup_epochs >= self.epochs:
+            raise ConfigError(
+                f"optim.warmup_epochs ({self.warmup_epochs}) must be smaller than optim.epochs ({self.epochs})"
+            )
+        check_positive("optim.end_lr", self.end_lr, allow_zero=True)
+        check_unit_interval("optim.momentum", self.momentum, closed=False)
+        check_positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+
+
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class TrainConfig:
+    """Run-time settings: device, precision, logging, checkpoints and the online kNN monitor."""
+
+    seed: int = 0
+    device: str = "auto"
+    precision: str = "fp32"
+    channels_last: bool = False
+    compile: bool = False
+    deterministic: bool = False
+    sync_batchnorm: bool = True
+    log_every: int = 20
+    checkpoint_every: int = 0
+    keep_every: int = 0
+    knn_every: int = 1
+    knn_k: int = 20
+    knn_temperature: float = 0.07
+    progress_bar: bool = True
+    tensorboard: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("train.seed", self.seed, minimum=0)
+        check_choice("train.device", self.device, DEVICES)
+        check_choice("train.precision", self.precision, PRECISIONS)
+        _check_int("train.log_every", self.log_every, minimum=1)
+        for name in ("checkpoint_every", "keep_every", "knn_every"):
+            _check_int(f"train.{name}", getattr(self, name), minimum=0)
+        _check_int("train.knn_k", self.knn_k, minimum=1)
+        check_positive("train.knn_temperature", self.knn_temperature)
+
+
+@dataclass
+class Config:
+    """A whole recipe. Cross-section rules (map sizes, queue divisibility) are checked here."""
+
+    description: str = ""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    views: ViewsConfig = dataclasses.field(default_factory=ViewsConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        m, v = self.model, self.views
+        for level in m.levels:
+            side = feature_map_size(v.teacher_size, level, m.stem) - 2 * m.border
+            if side < MIN_BOW_MAP:
+                raise ConfigError(
+                    f"the {level} BoW map is {max(side, 0)}x{max(side, 0)} after border removal "
+                    f"(views.teacher_size={v.teacher_size}, model.stem={m.stem!r}, model.border={m.border}); "
+                    f"every level needs at least {MIN_BOW_MAP}x{MIN_BOW_MAP}: raise views.teacher_size, choose a "
+                    "stem with a smaller stride (no_maxpool: 16, cifar: 8) or drop the level from model.levels"
+                )
+        if m.vocabulary == "queue" and m.num_words % self.data.batch_size != 0:
+            raise ConfigError(
+                f"model.num_words ({m.num_words}) must be a multiple of data.batch_size ({self.data.batch_size}): "
+                "the queue takes one word per image of the global batch each step"
+            )
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -178,3 +359,89 @@ def to_dict(section: Any) -> dict[str, Any]:
         return v
 
     return plain(dataclasses.asdict(section))
+
+
+RECIPES_DIR = Path(__file__).parent / "configs"
+
+
+def available_recipes() -> dict[str, str]:
+    """Built-in recipe names and their one-line descriptions."""
+    out = {}
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        raw = _read_yaml(path)
+        out[path.stem] = str(raw.get("description", "")).strip().splitlines()[0] if raw.get("description") else ""
+    return out
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of settings, got {type(raw).__name__}")
+    return raw
+
+
+def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _resolve_recipe(source: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = Path(source)
+    if not path.suffix and not path.exists():
+        path = RECIPES_DIR / f"{source}.yaml"
+        if not path.exists():
+            names = ", ".join(available_recipes())
+            raise ConfigError(f"unknown recipe {str(source)!r}: give a YAML file or one of: {names}")
+    elif not path.exists():
+        raise ConfigError(f"recipe file {str(path)!r} does not exist")
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"recipe {path} inherits from itself through 'base'")
+    raw = _read_yaml(path)
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    base_path = Path(base) if Path(base).suffix else base
+    if isinstance(base_path, Path) and not base_path.is_absolute():
+        base_path = path.parent / base_path
+    return _merge(_resolve_recipe(base_path, (*seen, path)), raw)
+
+
+def parse_override(item: str) -> dict[str, Any]:
+    """``"model.num_words=4096"`` -> ``{"model": {"num_words": 4096}}`` (the value is read as YAML)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. optim.lr=0.05")
+    key, _, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {item!r} has an empty key part")
+    try:
+        value: Any = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {item!r}: cannot read the value ({err})") from None
+    for part in reversed(parts):
+        value = {part: value}
+    return value
+
+
+def load_config(source: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """A validated :class:`Config` from a built-in recipe name or a YAML path, plus ``key=value`` overrides.
+
+    With ``source=None`` the defaults (the paper's ResNet-50 recipe) are the starting point. A recipe may
+    name another in ``base:`` and change only what differs.
+    """
+    raw = _resolve_recipe(source) if source is not None else {}
+    for item in overrides:
+        raw = _merge(raw, parse_override(item))
+    return from_dict(Config, raw)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)

@@ -1,0 +1,390 @@
+"""Image folders, robust decoding and a seeded, resumable, rank-aware sampler (official notes section 4).
+
+- :func:`scan_images` lists a folder of images, as class folders (like ``torchvision.datasets.ImageFolder``,
+  used by the official code) or as one unlabelled pile.
+- :func:`load_rgb` turns any common file (JPEG, PNG, WebP, BMP, TIFF; grayscale, 16-bit, palette, CMYK,
+  alpha, EXIF-rotated) into an RGB PIL image.
+- :class:`ImageDataset` skips unreadable files instead of crashing a long run, and applies its transform
+  under a per-sample seed, so that a sample's views depend only on ``(index, seed)``.
+- :class:`EpochSampler` yields those ``(index, seed)`` keys: a per-epoch permutation, split between processes
+  so that the ranks' batches together are exactly the single-process batch, and resumable mid-epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import operator
+import os
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+from obow.config import LABEL_MODES
+from obow.validation import check_choice
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
+#: How many consecutive unreadable files a sample may skip before the dataset gives up.
+MAX_READ_TRIES = 32
+#: Modes whose pixels do not fit 8 bits; PIL's own convert("RGB") would clip them to 255.
+_HIGH_DEPTH_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
+_ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
+
+
+@dataclass
+class ImageList:
+    """Image paths under ``root`` with their class indices (``None`` when unlabelled) and class names."""
+
+    root: str
+    paths: list[str]
+    labels: list[int] | None = None
+    classes: list[str] | None = None
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    @property
+    def labelled(self) -> bool:
+        return self.labels is not None
+
+
+def _is_image(name: str) -> bool:
+    return name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def _visible_entries(folder: str) -> list[os.DirEntry]:
+    """The entries of ``folder`` sorted by name, without hidden ones (``.DS_Store``, ``.git``, ...)."""
+    with os.scandir(folder) as entries:
+        return sorted((e for e in entries if not e.name.startswith(".")), key=lambda e: e.name)
+
+
+def _find_images(folder: str, _ancestors: frozenset[str] = frozenset()) -> list[str]:
+    """Every image file under ``folder``, recursively, in sorted order, following symbolic links."""
+    real = os.path.realpath(folder)
+    if real in _ancestors:  # a link back to an enclosing folder would otherwise recurse forever
+        return []
+    found = []
+    for entry in _visible_entries(folder):
+        if entry.is_dir():
+            found.extend(_find_images(entry.path, _ancestors | {real}))
+        elif _is_image(entry.name) and entry.is_file():
+            found.append(entry.path)
+    return found
+
+
+def _no_images_error(root: str, where: str = "") -> ValueError:
+    return ValueError(
+        f"no images found under {root}{where} (looked for files ending in {', '.join(IMAGE_EXTENSIONS)}, "
+        "in any letter case, skipping hidden files and folders)"
+    )
+
+
+def scan_images(root: str | os.PathLike, labels: str = "auto", images_per_class: int | None = None) -> ImageList:
+    """List the images under ``root``.
+
+    ``labels``:
+
+    - ``"folders"``: every immediate sub-folder of ``root`` is a class (sorted names give indices 0..C-1) and
+      holds its images at any depth, as in ``ImageFolder`` (official notes 4);
+    - ``"none"``: every image anywhere under ``root``, unlabelled;
+    - ``"auto"``: ``"folders"`` when ``root`` has a sub-folder with images and no image file of its own,
+      otherwise ``"none"``.
+
+    The order is sorted and deterministic; hidden files and folders are skipped; symbolic links are followed.
+    ``images_per_class`` keeps the first N images of each class in that order, the way the official
+    ImageNet-20% subset is drawn (official notes 4). Raises ``ValueError`` with the reason.
+    """
+    check_choice("labels", labels, LABEL_MODES)
+    root = os.fspath(root)
+    if not os.path.exists(root):
+        raise ValueError(f"image folder {root} does not exist")
+    if not os.path.isdir(root):
+        raise ValueError(f"{root} is not a folder; give the folder that holds the images")
+    if images_per_class is not None and (isinstance(images_per_class, bool) or images_per_class < 1):
+        raise ValueError(f"images_per_class must be an integer >= 1, got {images_per_class!r}")
+
+    top = _visible_entries(root)
+    top_images = [e.path for e in top if _is_image(e.name) and e.is_file()]
+    if labels == "auto" and top_images:
+        labels = "none"
+    class_images = {e.name: _find_images(e.path) for e in top if e.is_dir()} if labels != "none" else {}
+    if labels == "auto":
+        labels = "folders" if any(class_images.values()) else "none"
+
+    if labels == "none":
+        if images_per_class is not None:
+            raise ValueError(
+                f"images_per_class={images_per_class} needs class folders, but the images under {root} are "
+                "read as unlabelled (labels='none', or 'auto' found no class sub-folders)"
+            )
+        paths = _find_images(root)
+        if not paths:
+            raise _no_images_error(root)
+        return ImageList(root=root, paths=paths, labels=None, classes=None)
+
+    if top_images:
+        raise ValueError(
+            f"{root} has image files directly in it (e.g. {os.path.basename(top_images[0])}); with "
+            "labels='folders' every image must be inside a class sub-folder: move them or use labels='none'"
+        )
+    if not any(class_images.values()):
+        raise _no_images_error(root, " in any class sub-folder")
+    classes = sorted(class_images)
+    paths, targets = [], []
+    for label, name in enumerate(classes):
+        kept = class_images[name][:images_per_class]
+        paths.extend(kept)
+        targets.extend([label] * len(kept))
+    return ImageList(root=root, paths=paths, labels=targets, classes=classes)
+
+
+def load_rgb(path: str | os.PathLike) -> Image.Image:
+    """Decode an image file fully and return it as an 8-bit RGB PIL image.
+
+    EXIF orientation is applied (phone photos are stored sideways). Grayscale, palette, CMYK and 16-bit or
+    float images are converted; 16-bit and 32-bit integer pixels are read on a 0..65535 scale and float pixels
+    on a 0..1 scale (PIL's own conversion would clip them to 255). Images with transparency are composited
+    onto white: the colour of a transparent pixel is arbitrary (whatever the encoder kept, often black), so
+    it must not reach the network. The whole file is decoded here, so truncated or corrupt files raise now
+    rather than inside a transform.
+    """
+    with Image.open(path) as img:
+        # exif_transpose returns a decoded copy, detached from the file that the context manager closes
+        upright = ImageOps.exif_transpose(img)
+    rgb = _to_rgb(upright)
+    rgb.load()
+    return rgb
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    if img.mode in _HIGH_DEPTH_MODES:
+        return _high_depth_to_rgb(img)
+    if img.mode in _ALPHA_MODES or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    if img.mode == "RGB":
+        return img
+    return img.convert("RGB")
+
+
+def _high_depth_to_rgb(img: Image.Image) -> Image.Image:
+    pixels = np.asarray(img, dtype=np.float64)
+    scale = 255.0 if img.mode == "F" else 255.0 / 65535.0
+    gray = np.clip(np.rint(np.nan_to_num(pixels * scale)), 0, 255).astype(np.uint8)
+    return Image.fromarray(gray).convert("RGB")
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Seed torch's CPU generator and Python's ``random`` for one sample, then restore the caller's states.
+
+    Restoring matters with ``num_workers=0``, where the dataset runs in the training process: its generators
+    must not be reseeded by every sample. Only the CPU generator is touched because the transforms run on the
+    CPU.
+    """
+    python_state = random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        random.seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+
+
+class ImageDataset(Dataset):
+    """The images of an :class:`ImageList` through ``transform``, robust to unreadable files.
+
+    ``dataset[i]`` uses torch's current random state; ``dataset[(i, seed)]`` (the keys of
+    :class:`EpochSampler`) seeds torch and ``random`` with ``seed`` first, so the sample depends only on
+    ``(i, seed)``, whichever worker process produces it. A file that cannot be read (corrupt, truncated,
+    empty, not an image) is remembered and replaced by the next index, up to ``MAX_READ_TRIES`` in a row;
+    the sample reports the paths it skipped. Items are ``{"image", "label" (-1 when unlabelled), "index"
+    (the index actually used), "skipped" (a tuple of paths)}``.
+    """
+
+    def __init__(self, images: ImageList, transform: Callable[[Image.Image], Any] | None = None) -> None:
+        if len(images) == 0:
+            raise ValueError(f"no images to build a dataset from under {images.root}")
+        self.images = images
+        self.transform = transform
+        #: Paths found unreadable by this process, not opened again.
+        self.unreadable: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Any]:
+        index, seed = key if isinstance(key, tuple) else (key, None)
+        index = operator.index(index)
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} is out of range for {len(self)} images")
+        img, index, skipped = self._read(index)
+        if self.transform is not None:
+            if seed is None:
+                img = self.transform(img)
+            else:
+                with _seeded(operator.index(seed)):
+                    img = self.transform(img)
+        label = self.images.labels[index] if self.images.labels is not None else -1
+        return {"image": img, "label": label, "index": index, "skipped": skipped}
+
+    def _read(self, index: int) -> tuple[Image.Image, int, tuple[str, ...]]:
+        """The first readable image from ``index`` on, the index it came from and the paths skipped."""
+        skipped: list[str] = []
+        error: Exception | None = None
+        for _ in range(min(MAX_READ_TRIES, len(self))):
+            path = self.images.paths[index]
+            if path not in self.unreadable:
+                try:
+                    return load_rgb(path), index, tuple(skipped)
+                # a damaged file makes PIL raise many types (OSError, SyntaxError, ValueError, struct.error,
+                # DecompressionBombError, ...); any of them means "this file cannot be used"
+                except Exception as err:
+                    self.unreadable.add(path)
+                    error = err
+            skipped.append(path)
+            index = (index + 1) % len(self)
+        raise RuntimeError(
+            f"{len(skipped)} images in a row could not be read under {self.images.root} "
+            f"(first: {skipped[0]}); check or remove the damaged files"
+        ) from error
+
+
+def collate(batch: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stack a list of :class:`ImageDataset` items; ``"skipped"`` becomes one flat list of paths.
+
+    Views from :class:`~obow.transforms.OBoWViews` collate to ``{"teacher": [B, 3, T, T], "crops":
+    [B, n, 3, c, c], "patches": [B, 5, 3, p, p]}`` (official notes 4).
+    """
+    skipped = [path for item in batch for path in item["skipped"]]
+    out = default_collate([{k: v for k, v in item.items() if k != "skipped"} for item in batch])
+    out["skipped"] = skipped
+    return out
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    return (seed * 1_000_003 + epoch) % 2**63
+
+
+def sample_seed(seed: int, epoch: int, position: int) -> int:
+    """The augmentation seed of the sample at ``position`` of the epoch's order: a function of these alone."""
+    return (_epoch_seed(seed, epoch) * 1_000_000_007 + position) % 2**63
+
+
+class EpochSampler(Sampler[tuple[int, int]]):
+    """Per-epoch ``(index, seed)`` keys for :class:`ImageDataset`, split between ``world_size`` processes.
+
+    Each epoch is a permutation of the images drawn from ``(seed, epoch)`` (the identity without shuffle).
+    Global batch ``i`` is positions ``[i*G, (i+1)*G)`` of it, with ``G = batch_size * world_size``, and rank
+    ``r`` takes the ``r``-th block of ``batch_size`` positions in it; so the ranks' ``i``-th batches, in rank
+    order, are exactly the single-process batch ``i`` of size ``G``, and a run behaves the same on any number
+    of processes. Sample seeds depend only on ``(seed, epoch, position)``.
+
+    With ``drop_last`` the last incomplete global batch is dropped (as in the official loader, notes 4).
+    Without it, the last global batch of ``m < G`` positions is split into contiguous shares whose sizes
+    differ by at most one (rank ``r`` gets positions ``[r*m//W, (r+1)*m//W)`` of it); a rank whose share is
+    empty then yields one batch fewer than the others.
+
+    ``set_epoch(epoch, start_batch)`` selects the epoch and skips its first ``start_batch`` batches without
+    reading their images, to resume mid-epoch with the same order and seeds.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ) -> None:
+        if num_samples < 1 or batch_size < 1 or world_size < 1:
+            raise ValueError(
+                f"EpochSampler needs num_samples, batch_size and world_size >= 1, got {num_samples}, "
+                f"{batch_size} and {world_size}"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        global_batch = batch_size * world_size
+        if drop_last and global_batch > num_samples:
+            raise ValueError(f"data.batch_size ({global_batch}) is larger than the number of images ({num_samples})")
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.global_batch_size = global_batch
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.start_batch = 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Global batches in a whole epoch (``start_batch`` not subtracted)."""
+        if self.drop_last:
+            return self.num_samples // self.global_batch_size
+        return math.ceil(self.num_samples / self.global_batch_size)
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Use ``epoch``'s order and seeds, starting at its batch ``start_batch``."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if not 0 <= start_batch <= self.batches_per_epoch:
+            raise ValueError(f"start_batch must be in [0, {self.batches_per_epoch}], got {start_batch}")
+        self.epoch = epoch
+        self.start_batch = start_batch
+
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        generator = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
+        return torch.randperm(self.num_samples, generator=generator).tolist()
+
+    def _local_positions(self, batch: int) -> range:
+        """This rank's positions in global batch ``batch``: its ``batch_size`` block, or its share of a last,
+        partial batch (for a full batch both formulas agree)."""
+        start = batch * self.global_batch_size
+        size = min(self.global_batch_size, self.num_samples - start)
+        return range(start + self.rank * size // self.world_size, start + (self.rank + 1) * size // self.world_size)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        order = self._order()
+        for batch in range(self.start_batch, self.batches_per_epoch):
+            for position in self._local_positions(batch):
+                yield order[position], sample_seed(self.seed, self.epoch, position)
+
+    def __len__(self) -> int:
+        return sum(len(self._local_positions(b)) for b in range(self.start_batch, self.batches_per_epoch))
+
+
+def build_loader(
+    dataset: Dataset, sampler: Sampler, batch_size: int, num_workers: int = 0, pin_memory: bool = False
+) -> DataLoader:
+    """A ``DataLoader`` over ``dataset`` in ``sampler``'s order, batched by ``batch_size`` (per process).
+
+    ``drop_last`` is off because the sampler already decides which samples an epoch holds; workers persist
+    between epochs to avoid re-forking them (the sampler still runs in this process, so ``set_epoch`` applies).
+    """
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=collate,
+        pin_memory=pin_memory,
+        drop_last=False,
+        persistent_workers=num_workers > 0,
+    )

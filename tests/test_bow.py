@@ -151,3 +151,12 @@ def test_bad_arguments_name_the_parameter():
         BoWExtractor(vocab, border=-1)
     with pytest.raises(ValueError, match="sinkhorn_iterations"):
         BoWExtractor(vocab, sinkhorn_iterations=0)
+
+
+def test_kl_to_mean_bow_matches_reference():
+    t = torch.softmax(torch.randn(5, 12) * 2, dim=-1)
+    p = np64(t)
+    mean = p.mean(0)
+    expected = np.mean([(row * np.log(row / mean)).sum() for row in p])
+    np.testing.assert_allclose(float(bow.kl_to_mean_bow(t)), expected, rtol=1e-5)
+    assert float(bow.kl_to_mean_bow(t[:1].repeat(4, 1))) == pytest.approx(0.0, abs=1e-6)

@@ -122,6 +122,15 @@ def bow_perplexity(targets: Tensor) -> tuple[Tensor, Tensor]:
     return entropy(targets.mean(dim=0)).exp(), entropy(targets).exp().mean()
 
 
+def kl_to_mean_bow(targets: Tensor) -> Tensor:
+    """``mean_i KL(y_i || mean_j y_j)`` over a ``[B, K]`` batch of targets.
+
+    The loss of a student that ignores its input and predicts the batch's average BoW; a student whose loss
+    is not below it has learnt nothing image-specific. Equal to ``H(mean_i y_i) - mean_i H(y_i)``.
+    """
+    return entropy(targets.mean(dim=0)) - entropy(targets).mean()
+
+
 @dataclass
 class BoWTargets:
     """What the teacher side of one level produces in one step."""
@@ -232,6 +241,7 @@ class BoWExtractor(nn.Module):
                 "words_used": (D.all_reduce_max(used) if update else used).mean(),
                 "perplexity_batch": batch_perplexity,
                 "perplexity_image": image_perplexity,
+                "kl_to_mean_bow": kl_to_mean_bow(targets),
                 "zero_target_share": (targets == 0).float().mean(),
             }
             if update:

@@ -229,7 +229,7 @@ class TrainConfig:
     keep_every: int = 0
     knn_every: int = 1
     knn_k: int = 20
-    knn_temperature: float = 0.07
+    knn_temperature: float = 0.1
     progress_bar: bool = True
     tensorboard: bool = True
 
@@ -392,14 +392,17 @@ def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _resolve_recipe(source: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    path = Path(source)
-    if not path.suffix and not path.exists():
-        path = RECIPES_DIR / f"{source}.yaml"
-        if not path.exists():
-            names = ", ".join(available_recipes())
-            raise ConfigError(f"unknown recipe {str(source)!r}: give a YAML file or one of: {names}")
-    elif not path.exists():
-        raise ConfigError(f"recipe file {str(path)!r} does not exist")
+    text = str(source)
+    builtin = RECIPES_DIR / f"{text}.yaml"
+    looks_like_file = text.endswith((".yaml", ".yml")) or "/" in text or "\\" in text
+    if not looks_like_file and builtin.is_file():
+        path = builtin
+    elif Path(text).is_file():
+        path = Path(text)
+    elif looks_like_file:
+        raise ConfigError(f"recipe file {text!r} does not exist")
+    else:
+        raise ConfigError(f"unknown recipe {text!r}: give a YAML file or one of: {', '.join(available_recipes())}")
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"recipe {path} inherits from itself through 'base'")

@@ -387,4 +387,8 @@ def build_loader(
         pin_memory=pin_memory,
         drop_last=False,
         persistent_workers=num_workers > 0,
+        # A private generator: otherwise every new iterator draws its worker seed from the global torch RNG,
+        # and a resumed run would consume that RNG at a different point than an uninterrupted one. Worker
+        # seeds do not matter here, since every sample is seeded from its key.
+        generator=torch.Generator().manual_seed(0),
     )

@@ -1,0 +1,114 @@
+"""The ``obow`` command.
+
+obow demo                                        # built-in demo: no download, a few minutes on a CPU
+obow pretrain --config imagenette_resnet18 --data DIR --out runs/x [key=value ...]
+obow recipes [NAME]                              # list the built-in recipes, or print one
+obow eval knn|linear|fewshot|finetune --checkpoint runs/x/checkpoint.pt --data DIR
+obow export --checkpoint runs/x/checkpoint.pt --out backbone.pth --format torchvision
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from obow.config import RECIPES_DIR, ConfigError, available_recipes, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, ValueError, RuntimeError) as err:
+        print(f"obow: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from obow.cli_eval import add_eval_parser, add_export_parser
+
+    parser = argparse.ArgumentParser(prog="obow", description="OBoW self-supervised pretraining and evaluation")
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    p = sub.add_parser("pretrain", help="pretrain a network with OBoW on a folder of images")
+    p.add_argument("--config", help="a built-in recipe name (see `obow recipes`) or a YAML file")
+    p.add_argument("--data", help="training images: class folders or any folder tree (sets data.path)")
+    p.add_argument("--val", help="labelled validation images for the kNN monitor (sets data.val_path)")
+    p.add_argument("--out", help="output folder; rerunning on the same folder resumes (default runs/<recipe>)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=0.05 model.num_words=4096")
+    p.set_defaults(func=cmd_pretrain)
+
+    p = sub.add_parser("demo", help="pretrain on scikit-learn's digits and compare with random init")
+    p.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="changes to the demo recipe")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("recipes", help="list the built-in recipes, or print one")
+    p.add_argument("name", nargs="?")
+    p.set_defaults(func=cmd_recipes)
+
+    add_eval_parser(sub)
+    add_export_parser(sub)
+    return parser
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    if args.data is None and args.config is None:
+        print("obow pretrain: no --data given: running the built-in demo (obow demo)")
+        args.out = args.out or "runs/demo"
+        return cmd_demo(args)
+    overrides = list(args.overrides)
+    if args.data is not None:
+        overrides.append(f"data.path={args.data}")
+    if args.val is not None:
+        overrides.append(f"data.val_path={args.val}")
+    cfg = load_config(args.config, overrides)
+    if cfg.data.path is None:
+        raise ConfigError("no training images: pass --data DIR (or set data.path in the recipe)")
+    out = Path(args.out or Path("runs") / (Path(args.config).stem if args.config else "obow"))
+    from obow.train import Interrupted, pretrain
+
+    try:
+        result = pretrain(cfg, out)
+    except Interrupted:
+        return 130
+    print(f"done: {result['epochs']} epochs, checkpoint {result['checkpoint']}")
+    print(f"next: obow eval knn --checkpoint {result['checkpoint']} --data <folder with train/ and val/>")
+    print(f"      obow export --checkpoint {result['checkpoint']} --out {out / 'backbone.pth'}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from obow.demo import run_demo
+    from obow.train import Interrupted
+
+    try:
+        run_demo(Path(args.out), list(args.overrides))
+    except Interrupted:
+        return 130
+    return 0
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    if args.name:
+        path = RECIPES_DIR / f"{args.name}.yaml"
+        if not path.exists():
+            raise ConfigError(f"unknown recipe {args.name!r}; choose one of: {', '.join(available_recipes())}")
+        print(path.read_text())
+        return 0
+    for name, description in available_recipes().items():
+        print(f"{name:30s} {description}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,442 @@
+"""The ``obow eval`` and ``obow export`` commands.
+
+    obow eval knn      --checkpoint runs/x/checkpoint.pt --data DIR [--k 200 20] [--temperature 0.1]
+    obow eval linear   --checkpoint runs/x/checkpoint.pt --data DIR [--preset resnet18|resnet50] [--epochs N]
+    obow eval fewshot  --checkpoint runs/x/checkpoint.pt --data DIR [--ways 50] [--shots 1 5] [--episodes 200]
+    obow eval finetune --checkpoint runs/x/checkpoint.pt --data DIR [--fraction 0.01|0.1]
+    obow eval knn --random-init --arch resnet18 --data DIR --out random.json     # the baseline
+    obow export --checkpoint runs/x/checkpoint.pt --out backbone.pth --format torchvision|detectron2
+
+``DIR`` holds ``train/`` and ``val/`` (or ``test/``) class folders. kNN, linear and fine-tuning train on
+``train/`` and test on ``val/``; few-shot episodes are drawn from ``val/`` (the paper draws them from the
+ImageNet validation images, appendix "Evaluation protocols in Section 4.1") unless ``--split train``.
+Each command prints a small table and writes a JSON report (default ``<checkpoint dir>/eval/<protocol>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from obow import __version__
+from obow.backbones import ARCHITECTURES, STEMS
+from obow.data import ImageDataset, ImageList
+from obow.evaluate.features import (
+    NETWORKS,
+    align_classes,
+    eval_dataset,
+    extract_features,
+    load_backbone,
+    scan_labelled,
+    views_dict,
+    views_from_dict,
+)
+from obow.evaluate.fewshot import default_ways, prototype_accuracy, sample_episodes
+from obow.evaluate.finetune import FINETUNE_PRESETS, balanced_subset, finetune, finetune_transform
+from obow.evaluate.knn import DEFAULT_KS, DEFAULT_TEMPERATURE, knn_scores, topk_accuracy
+from obow.evaluate.linear import LINEAR_PRESETS, preset_for_arch, preset_settings, train_linear_probe
+from obow.export import FORMATS, export_backbone
+
+PROTOCOLS = ("knn", "linear", "fewshot", "finetune")
+#: Fine-tuning presets by labelled fraction (paper section 4.3).
+FRACTIONS = {preset.fraction: name for name, preset in FINETUNE_PRESETS.items()}
+EXTRACT_BATCH = 256
+
+
+def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``obow eval PROTOCOL ...``; each protocol sets ``func`` to its runner."""
+    parser = subparsers.add_parser(
+        "eval",
+        help="evaluate a pretrained backbone: knn, linear, fewshot or finetune",
+        description="Evaluate a backbone on a folder with train/ and val/ (or test/) class folders.",
+    )
+    protocols = parser.add_subparsers(title="protocols", dest="protocol", metavar="PROTOCOL", required=True)
+    common = _common_options()
+
+    p = protocols.add_parser("knn", parents=[common], help="weighted kNN on frozen pool5 features")
+    p.add_argument("--k", type=_positive_int, nargs="+", help="neighbours (default: both 200 and 20)")
+    p.add_argument("--temperature", type=_positive_float, default=DEFAULT_TEMPERATURE, help="default 0.1")
+    p.set_defaults(func=run_knn)
+
+    p = protocols.add_parser("linear", parents=[common], help="linear probe on pre-cached features (sec. 4.1)")
+    p.add_argument("--preset", choices=tuple(LINEAR_PRESETS), help="default: resnet18 for resnet18/34, else resnet50")
+    p.add_argument("--epochs", type=_positive_int, help="override the preset's epochs")
+    p.add_argument("--lr", type=_positive_float, help="override the preset's learning rate")
+    p.add_argument("--wd", type=float, help="override the preset's weight decay")
+    p.add_argument("--batch", type=_positive_int, help="override the preset's batch size")
+    p.set_defaults(func=run_linear)
+
+    p = protocols.add_parser("fewshot", parents=[common], help="N-way K-shot prototype episodes (sec. 4.1)")
+    p.add_argument("--ways", type=_positive_int, help="classes per episode (default min(50, classes))")
+    p.add_argument("--shots", type=_positive_int, nargs="+", default=[1, 5], help="default: 1 5")
+    p.add_argument("--queries", type=_positive_int, default=1, help="query images per class (default 1)")
+    p.add_argument("--episodes", type=_positive_int, default=200, help="default 200")
+    p.add_argument("--split", choices=("val", "train"), default="val", help="where episodes come from (val)")
+    p.set_defaults(func=run_fewshot)
+
+    p = protocols.add_parser("finetune", parents=[common], help="semi-supervised fine-tuning (sec. 4.3)")
+    p.add_argument("--fraction", type=float, choices=tuple(FRACTIONS), default=0.01, help="0.01 or 0.1")
+    p.add_argument("--epochs", type=_positive_int, help="override the preset's epochs")
+    p.add_argument("--head-lr", type=_positive_float, help="override the head's learning rate (0.5)")
+    p.add_argument("--trunk-lr", type=float, help="override the trunk's learning rate (0.0002)")
+    p.add_argument("--milestones", type=_positive_int, nargs="*", help="override the decay epochs")
+    p.add_argument("--gamma", type=_positive_float, help="override the decay factor (0.2)")
+    p.add_argument("--wd", type=float, help="override the weight decay (0)")
+    p.set_defaults(func=run_finetune)
+    return parser
+
+
+def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``obow export --checkpoint PATH --out FILE --format torchvision|detectron2``."""
+    p = subparsers.add_parser(
+        "export",
+        help="write a pretrained backbone for torchvision or Detectron2",
+        description="Write the backbone of a pretraining checkpoint, plus FILE.json describing it.",
+    )
+    p.add_argument("--checkpoint", required=True, help="a pretraining checkpoint (obow pretrain)")
+    p.add_argument("--out", required=True, help="output file")
+    p.add_argument("--format", choices=FORMATS, default="torchvision", help="default torchvision")
+    p.add_argument("--network", choices=NETWORKS, default="student", help="default student")
+    p.set_defaults(func=run_export)
+    return p
+
+
+def _common_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    src = common.add_argument_group("what to evaluate")
+    src.add_argument("--checkpoint", help="a pretraining checkpoint (obow pretrain)")
+    src.add_argument("--network", choices=NETWORKS, help="which network of the checkpoint (default student)")
+    src.add_argument("--backbone", help="a file written by `obow export --format torchvision` instead")
+    src.add_argument("--random-init", action="store_true", help="a randomly initialised network (the baseline)")
+    src.add_argument("--arch", choices=ARCHITECTURES, help="architecture for --random-init without a checkpoint")
+    src.add_argument("--stem", choices=STEMS, help="stem for --random-init without a checkpoint (torchvision)")
+    run = common.add_argument_group("data and run")
+    run.add_argument("--data", required=True, help="folder holding train/ and val/ (or test/) class folders")
+    run.add_argument("--out", help="JSON report (default <checkpoint dir>/eval/<protocol>.json)")
+    run.add_argument("--size", type=_positive_int, help="centre-crop size (default: the recipe's teacher size)")
+    run.add_argument("--resize", type=_positive_int, help="resize before the crop (default: the recipe's)")
+    run.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    run.add_argument("--batch-size", type=_positive_int, help="images per batch (default 256)")
+    run.add_argument("--workers", type=int, default=4, help="data loading processes (default 4)")
+    run.add_argument("--seed", type=int, default=0, help="random init, episodes, subsets and shuffling (0)")
+    return common
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------- protocols
+
+
+def run_knn(args: argparse.Namespace) -> int:
+    """Weighted kNN of ``val/`` against ``train/`` for each ``k`` (default 200 and 20, T = 0.1)."""
+    run = _Run(args, "knn")
+    train_images, test_images = run.splits()
+    train_x, train_y = run.features(train_images)
+    test_x, test_y = run.features(test_images)
+    num_classes = len(train_images.classes)
+    # about 2^28 similarities (1 GiB) per chunk of queries, whatever the size of the memory bank
+    chunk = max(1, min(1024, 2**28 // len(train_y)))
+    train_x, train_y, test_x = train_x.to(run.device), train_y.to(run.device), test_x.to(run.device)
+    rows = []
+    for k in args.k or DEFAULT_KS:
+        scores = knn_scores(
+            train_x, train_y, test_x, k=k, temperature=args.temperature, num_classes=num_classes, chunk_size=chunk
+        )
+        row = {"k": k, "k_used": min(k, len(train_y)), "temperature": args.temperature}
+        row["top1"] = topk_accuracy(scores, test_y, 1)
+        if num_classes >= 5:
+            row["top5"] = topk_accuracy(scores, test_y, 5)
+        rows.append(row)
+    run.print_table(
+        ["k", "T", "top-1", "top-5"], [[r["k_used"], r["temperature"], r["top1"], r.get("top5")] for r in rows]
+    )
+    run.write({"knn": rows}, {"k": list(args.k or DEFAULT_KS), "temperature": args.temperature})
+    return 0
+
+
+def run_linear(args: argparse.Namespace) -> int:
+    """Linear probe trained on centre-crop and flipped features of ``train/``, tested on ``val/``."""
+    run = _Run(args, "linear")
+    preset = args.preset or preset_for_arch(run.info["arch"])
+    settings = preset_settings(preset)
+    overrides = {"epochs": args.epochs, "lr": args.lr, "weight_decay": args.wd, "batch_size": args.batch}
+    settings.update({k: v for k, v in overrides.items() if v is not None})
+    train_images, test_images = run.splits()
+    train_x, train_y = run.features(train_images)
+    train_flip, _ = run.features(train_images, flip=True)
+    test_x, test_y = run.features(test_images)
+    result = train_linear_probe(
+        [train_x, train_flip],
+        train_y,
+        test_x,
+        test_y,
+        **settings,
+        seed=args.seed,
+        device=run.device,
+        num_classes=len(train_images.classes),
+    )
+    run.print_table(
+        ["preset", "epochs", "top-1", "top-5"], [[preset, result["epochs"], result["top1"], result.get("top5")]]
+    )
+    numbers = {key: result[key] for key in ("top1", "top5", "train_loss") if key in result}
+    run.write(numbers, {"preset": preset, **{k: v for k, v in result.items() if k not in numbers}})
+    return 0
+
+
+def run_fewshot(args: argparse.Namespace) -> int:
+    """Prototype classification on ``n_way``-way ``n_shot``-shot episodes of one split."""
+    run = _Run(args, "fewshot")
+    split = run.train_dir() if args.split == "train" else run.test_dir()
+    images = scan_labelled(split)
+    ways = args.ways or default_ways(len(images.classes))
+    for shots in args.shots:  # fail on impossible settings before the (slow) feature extraction
+        sample_episodes(
+            images.labels, n_way=ways, n_shot=shots, n_query=args.queries, n_episodes=1, class_names=images.classes
+        )
+    features, labels = run.features(images)
+    rows = []
+    for shots in args.shots:
+        episodes = sample_episodes(
+            labels,
+            n_way=ways,
+            n_shot=shots,
+            n_query=args.queries,
+            n_episodes=args.episodes,
+            seed=args.seed,
+            class_names=images.classes,
+        )
+        mean, ci95 = prototype_accuracy(features, labels, episodes)
+        rows.append({"ways": ways, "shots": shots, "queries": args.queries, "accuracy": mean, "ci95": ci95})
+    run.print_table(
+        ["ways", "shots", "accuracy", "+-95%"], [[r["ways"], r["shots"], r["accuracy"], r["ci95"]] for r in rows]
+    )
+    settings = {"ways": ways, "shots": list(args.shots), "queries": args.queries, "episodes": args.episodes}
+    run.write({"fewshot": rows}, {**settings, "split": args.split}, data={"split": str(split), **run.data_info(images)})
+    return 0
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    """Fine-tune backbone + linear head on a class-balanced fraction of ``train/``; test on ``val/``."""
+    run = _Run(args, "finetune")
+    preset_name = FRACTIONS[args.fraction]
+    preset = FINETUNE_PRESETS[preset_name]
+    settings = {
+        "epochs": args.epochs or preset.epochs,
+        "head_lr": args.head_lr or preset.head_lr,
+        "trunk_lr": preset.trunk_lr if args.trunk_lr is None else args.trunk_lr,
+        "milestones": list(preset.milestones if args.milestones is None else args.milestones),
+        "gamma": args.gamma or preset.gamma,
+        "weight_decay": preset.weight_decay if args.wd is None else args.wd,
+        "momentum": preset.momentum,
+        "batch_size": args.batch_size or preset.batch_size,
+    }
+    train_images, test_images = run.splits()
+    subset = balanced_subset(train_images.labels, args.fraction, seed=args.seed)
+    subset_file = run.out.with_name(f"{run.out.stem}_subset.json")
+    _write_json(subset_file, subset_listing(train_images, subset))
+    result = finetune(
+        run.backbone,
+        ImageDataset(train_images, finetune_transform(run.views)),
+        eval_dataset(test_images, run.views),
+        subset,
+        **settings,
+        device=run.device,
+        num_workers=args.workers,
+        seed=args.seed,
+        num_classes=len(train_images.classes),
+    )
+    run.skipped.extend(result.pop("skipped_images"))
+    run.print_table(
+        ["labels", "epochs", "top-1", "top-5"], [[preset_name, settings["epochs"], result["top1"], result.get("top5")]]
+    )
+    numbers = {key: result[key] for key in ("top1", "top5", "train_loss", "train_top1") if key in result}
+    extra = {k: v for k, v in result.items() if k not in numbers and k not in settings}
+    run.write(
+        numbers,
+        {"preset": preset_name, "fraction": args.fraction, **settings, **extra, "subset_file": str(subset_file)},
+    )
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """``obow export``: write the backbone and its ``.json`` sidecar; print what was written."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        meta = export_backbone(args.checkpoint, args.out, network=args.network, fmt=args.format)
+    print(
+        f"wrote {args.out} ({meta['format']}: {meta['arch']}, {meta['stem']} stem, {meta['network']}, "
+        f"epoch {meta['epoch']}) and {args.out}.json"
+    )
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
+    return 0
+
+
+def subset_listing(images: ImageList, indices: Sequence[int]) -> list[dict[str, Any]]:
+    """The images of a fine-tuning subset as ``{"path" (relative to the split), "label", "class"}``."""
+    return [
+        {
+            "path": os.path.relpath(images.paths[i], images.root),
+            "label": images.labels[i],
+            "class": images.classes[images.labels[i]],
+        }
+        for i in indices
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ shared
+
+
+class _Run:
+    """What every protocol does the same way: load the backbone, find the splits, extract, report."""
+
+    def __init__(self, args: argparse.Namespace, protocol: str) -> None:
+        self.args = args
+        self.protocol = protocol
+        self.data = Path(args.data)
+        if not self.data.is_dir():
+            raise ValueError(f"data folder {str(self.data)!r} does not exist")
+        if args.network is not None and args.checkpoint is None:
+            raise ValueError("--network picks the student or teacher of a --checkpoint; it needs --checkpoint")
+        self.backbone, self.info = load_backbone(
+            args.checkpoint,
+            network=args.network or "student",
+            backbone_file=args.backbone,
+            random_init=args.random_init,
+            arch=args.arch,
+            stem=args.stem,
+            seed=args.seed,
+        )
+        self.views = views_from_dict(self.info["views"], resize=args.resize, size=args.size)
+        self.device = _device(args.device)
+        self.out = self._out_path()
+        self.skipped: list[str] = []
+        self._data_info: dict[str, Any] = {}
+
+    def _out_path(self) -> Path:
+        if self.args.out:
+            return Path(self.args.out)
+        anchor = self.args.checkpoint or self.args.backbone
+        if anchor is None:
+            raise ValueError("a random initialisation without --checkpoint has no default report path: give --out FILE")
+        name = self.protocol
+        if self.info["kind"] == "random_init":
+            name += "_random_init"
+        elif self.info["kind"] == "checkpoint" and self.info["network"] == "teacher":
+            name += "_teacher"
+        return Path(anchor).parent / "eval" / f"{name}.json"
+
+    def train_dir(self) -> Path:
+        path = self.data / "train"
+        if not path.is_dir():
+            raise ValueError(
+                f"{self.data} has no train/ folder; expected {self.data}/train/<class>/ and {self.data}/val/<class>/"
+            )
+        return path
+
+    def test_dir(self) -> Path:
+        for name in ("val", "test"):
+            if (self.data / name).is_dir():
+                return self.data / name
+        raise ValueError(
+            f"{self.data} has no val/ or test/ folder; expected {self.data}/train/<class>/ and {self.data}/val/<class>/"
+        )
+
+    def splits(self) -> tuple[ImageList, ImageList]:
+        train = scan_labelled(self.train_dir())
+        test = align_classes(train, scan_labelled(self.test_dir()))
+        self._data_info = {"train": train.root, "test": test.root, "num_train": len(train), "num_test": len(test)}
+        self._data_info.update(num_classes=len(train.classes), classes=list(train.classes))
+        return train, test
+
+    @staticmethod
+    def data_info(images: ImageList) -> dict[str, Any]:
+        return {"num_images": len(images), "num_classes": len(images.classes), "classes": list(images.classes)}
+
+    def features(self, images: ImageList, flip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return extract_features(
+            self.backbone,
+            eval_dataset(images, self.views),
+            batch_size=self.args.batch_size or EXTRACT_BATCH,
+            device=self.device,
+            num_workers=self.args.workers,
+            flip=flip,
+            skipped=self.skipped,
+        )
+
+    def print_table(self, headers: list[str], rows: list[list[Any]]) -> None:
+        source = self.info
+        if source["kind"] == "random_init":
+            what = f"random init (seed {source['seed']})"
+        else:
+            what = f"{source['network'] or 'exported'} of {source['path']}, epoch {source['epoch']}"
+        view = f"{self.views.teacher_resize}/{self.views.teacher_size} px"
+        print(f"{self.protocol}: {source['arch']} ({source['stem']} stem), {what}, view {view}, data {self.data}")
+        cells = [headers] + [[_cell(v) for v in row] for row in rows]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+        for row in cells:
+            print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+
+    def write(self, numbers: dict[str, Any], settings: dict[str, Any], data: dict[str, Any] | None = None) -> None:
+        source = {k: v for k, v in self.info.items() if k != "views"}
+        report = {
+            "protocol": self.protocol,
+            "results": numbers,
+            "settings": {
+                **settings,
+                "view": views_dict(self.views),
+                "seed": self.args.seed,
+                "device": str(self.device),
+                "extract_batch_size": self.args.batch_size or EXTRACT_BATCH,
+            },
+            "source": source,
+            "data": {"root": str(self.data), **self._data_info, **(data or {})},
+            "skipped_images": sorted(set(self.skipped)),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "obow_version": __version__,
+        }
+        _write_json(self.out, report)
+        print(f"wrote {self.out}")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) >= 0.1 or value == 0 else f"{value:g}"
+    return str(value)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    return device

@@ -1,0 +1,210 @@
+"""Linear classification on frozen, precomputed features (paper section 4.1 and appendix).
+
+The paper's analysis protocol (appendix "Evaluation protocols in Section 4.1", official notes 5.1) trains the
+classifier on *pre-cached* ``pool5`` features of the 224 px centre crop and of its horizontal flip: every
+epoch, each image contributes one of its two views, drawn at random. Test images use the unflipped centre
+crop. The head is ``nn.Linear`` initialised ``N(0, 0.01)`` with bias 0 (official ``classification.py``).
+
+Presets (:data:`LINEAR_PRESETS`):
+
+* ``"resnet18"``: the section 4.1 numbers, SGD for 50 epochs, lr 10 divided by 10 every 15 epochs,
+  batch 256, weight decay 2e-6 (momentum 0.9 as in the official script);
+* ``"resnet50"``: the section 4.3 numbers, 100 epochs, lr 10, cosine, batch 1024, weight decay 0,
+  momentum 0.9. The paper trains that one on augmented crops; here it runs on the same pre-cached centre
+  and flip features, which is what makes it take seconds instead of GPU-days.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from obow.evaluate.knn import topk_accuracy
+from obow.validation import check_choice, check_positive
+
+SCHEDULES = ("step", "cosine")
+
+
+@dataclass(frozen=True)
+class LinearPreset:
+    """Optimisation settings of one linear-probe protocol."""
+
+    epochs: int
+    lr: float
+    batch_size: int
+    weight_decay: float
+    momentum: float = 0.9
+    schedule: str = "step"
+    milestones: tuple[int, ...] = ()
+    gamma: float = 0.1
+
+
+LINEAR_PRESETS: dict[str, LinearPreset] = {
+    "resnet18": LinearPreset(
+        epochs=50, lr=10.0, batch_size=256, weight_decay=2e-6, schedule="step", milestones=(15, 30, 45), gamma=0.1
+    ),
+    "resnet50": LinearPreset(epochs=100, lr=10.0, batch_size=1024, weight_decay=0.0, schedule="cosine"),
+}
+
+
+def preset_for_arch(arch: str) -> str:
+    """The preset matching a backbone: ``"resnet18"`` for the BasicBlock nets, ``"resnet50"`` otherwise."""
+    return "resnet18" if arch in ("resnet18", "resnet34") else "resnet50"
+
+
+def lr_at_epoch(
+    epoch: int,
+    *,
+    base_lr: float,
+    epochs: int,
+    schedule: str = "step",
+    milestones: Sequence[int] = (),
+    gamma: float = 0.1,
+) -> float:
+    """Learning rate used during ``epoch`` (0-based), constant within an epoch.
+
+    ``step``: ``base_lr * gamma ** (number of milestones <= epoch)`` (official ``MultiStepLR``);
+    ``cosine``: ``base_lr * (1 + cos(pi * epoch / epochs)) / 2`` (per epoch, no warm-up, as MoCo's
+    ``main_lincls.py`` and the official linear script).
+    """
+    check_choice("schedule", schedule, SCHEDULES)
+    if schedule == "step":
+        return base_lr * gamma ** sum(1 for m in milestones if epoch >= m)
+    return base_lr * 0.5 * (1.0 + math.cos(math.pi * epoch / epochs))
+
+
+def linear_head(in_features: int, num_classes: int) -> nn.Linear:
+    """``nn.Linear`` with weights ``N(0, 0.01)`` and zero bias (official ``classification.py``)."""
+    head = nn.Linear(in_features, num_classes)
+    nn.init.normal_(head.weight, mean=0.0, std=0.01)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+def train_linear_probe(
+    train_views: Sequence[Tensor],
+    train_labels: Tensor,
+    test_features: Tensor,
+    test_labels: Tensor,
+    *,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    weight_decay: float,
+    momentum: float = 0.9,
+    schedule: str = "step",
+    milestones: Sequence[int] = (15, 30, 45),
+    gamma: float = 0.1,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    num_classes: int | None = None,
+) -> dict:
+    """Train a linear classifier on precomputed features and report test accuracy (paper section 4.1).
+
+    Args:
+        train_views: one or two ``[N, c]`` tensors (e.g. centre crop and its flip); each epoch every image
+            contributes the features of one view drawn uniformly at random.
+        train_labels: ``[N]`` class indices.
+        test_features, test_labels: ``[M, c]`` and ``[M]``.
+        epochs, lr, batch_size, weight_decay, momentum: SGD settings.
+        schedule, milestones, gamma: learning rate per epoch (see :func:`lr_at_epoch`).
+        seed: seeds the head's initialisation, the shuffling and the view draws.
+
+    Returns:
+        ``top1`` (and ``top5`` with at least 5 classes) in percent, ``train_loss`` and ``lr`` per epoch,
+        and every setting used.
+    """
+    views = _check_views(train_views, train_labels)
+    check_choice("schedule", schedule, SCHEDULES)
+    for name, value in (("epochs", epochs), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_positive("lr", lr)
+    check_positive("weight_decay", weight_decay, allow_zero=True)
+    if test_features.ndim != 2 or test_features.shape[1] != views.shape[2]:
+        raise ValueError(f"test_features must be [M, {views.shape[2]}], got {tuple(test_features.shape)}")
+    if num_classes is None:
+        num_classes = int(max(train_labels.max(), test_labels.max())) + 1
+
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = linear_head(views.shape[2], num_classes).to(device)
+    optimizer = torch.optim.SGD(head.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    views, labels = views.to(device), train_labels.long().to(device)
+    num_views, n = views.shape[:2]
+
+    losses, lrs = [], []
+    for epoch in range(epochs):
+        epoch_lr = lr_at_epoch(epoch, base_lr=lr, epochs=epochs, schedule=schedule, milestones=milestones, gamma=gamma)
+        for group in optimizer.param_groups:
+            group["lr"] = epoch_lr
+        order = torch.randperm(n, generator=generator).to(device)
+        chosen = torch.randint(num_views, (n,), generator=generator).to(device)
+        total = 0.0
+        for start in range(0, n, batch_size):
+            idx = order[start : start + batch_size]
+            loss = F.cross_entropy(head(views[chosen[idx], idx]), labels[idx])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += loss.item() * idx.numel()
+        losses.append(total / n)
+        lrs.append(epoch_lr)
+
+    if not math.isfinite(losses[-1]):
+        warnings.warn(
+            f"the linear probe's training loss diverged ({losses[-1]}) at lr {lr}: try a smaller learning rate",
+            stacklevel=2,
+        )
+    with torch.no_grad():
+        scores = torch.cat([head(chunk.to(device)).cpu() for chunk in test_features.float().split(4096)])
+    result = {"top1": topk_accuracy(scores, test_labels, 1)}
+    if num_classes >= 5:
+        result["top5"] = topk_accuracy(scores, test_labels, 5)
+    result.update(
+        epochs=epochs,
+        lr=lr,
+        batch_size=batch_size,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        schedule=schedule,
+        milestones=list(milestones) if schedule == "step" else [],
+        gamma=gamma if schedule == "step" else None,
+        seed=seed,
+        num_views=num_views,
+        num_train=n,
+        num_test=int(test_features.shape[0]),
+        num_classes=num_classes,
+        train_loss=losses,
+        lr_per_epoch=lrs,
+    )
+    return result
+
+
+def preset_settings(name: str) -> dict:
+    """The keyword arguments of :func:`train_linear_probe` for a named preset."""
+    check_choice("preset", name, tuple(LINEAR_PRESETS))
+    settings = asdict(LINEAR_PRESETS[name])
+    settings["milestones"] = tuple(settings["milestones"])
+    return settings
+
+
+def _check_views(train_views: Sequence[Tensor], train_labels: Tensor) -> Tensor:
+    if isinstance(train_views, Tensor):
+        raise ValueError("train_views must be a list of [N, c] tensors (one per view), not a single tensor")
+    if not 1 <= len(train_views) <= 2:
+        raise ValueError(f"train_views must hold 1 or 2 views (centre crop, flip), got {len(train_views)}")
+    shapes = {tuple(v.shape) for v in train_views}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise ValueError(f"every view must be the same [N, c] tensor shape, got {sorted(shapes)}")
+    if train_labels.shape != (train_views[0].shape[0],):
+        raise ValueError(f"train_labels must be [{train_views[0].shape[0]}], got {tuple(train_labels.shape)}")
+    return torch.stack([v.float() for v in train_views])

@@ -1,0 +1,165 @@
+"""Backbone-only weights for other tools: torchvision and Detectron2 (official notes 5.3 and 6.1).
+
+``obow export`` reads a pretraining checkpoint, takes the student (or teacher) backbone and writes:
+
+* ``--format torchvision``: ``out_path`` holds a plain ``state_dict`` that loads with ``strict=True`` into
+  ``torchvision.models.<arch>()``, i.e. ``model.load_state_dict(torch.load(out_path))``. OBoW trains no
+  classifier, so the ``fc`` entries (needed for strict loading) are torchvision's own initialisation of that
+  architecture under ``torch.manual_seed(0)``: untrained. (The official export fills ``fc`` with the BoW
+  weight generator's output instead, official notes 5.3; those 8192 "classes" are of no use downstream.)
+* ``--format detectron2``: a pickle ``{"model": {name: ndarray}, "__author__": "obow",
+  "matching_heuristics": True}`` with Detectron2's ResNet names, for the VOC/COCO detection transfer of
+  paper section 4.3 (R50-C4; the keys follow the renaming of MoCo's detection conversion script).
+
+Either way ``out_path + ".json"`` records what the file is: architecture, stem, network, source checkpoint,
+epoch, iteration, obow version, the evaluation view, and what ``fc`` holds. The metadata stays out of the
+``state_dict`` so that torchvision loads the file as it is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pickle
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision
+from torch import Tensor
+
+from obow import __version__
+from obow.backbones import ResNetBackbone
+from obow.checkpoint import save_atomic
+from obow.evaluate.features import load_backbone
+from obow.validation import check_choice
+
+FORMATS = ("torchvision", "detectron2")
+FC_SEED = 0
+FC_NOTE = f"untrained, torchvision init, seed {FC_SEED}"
+STEM_NOTES = {
+    "cifar": (
+        "CIFAR stem: conv1 is a 3x3 stride-1 convolution (padding 1) without max-pool; a torchvision model needs "
+        "model.conv1 = torch.nn.Conv2d(3, 64, 3, 1, 1, bias=False) and model.maxpool = torch.nn.Identity() "
+        "before it can load these weights"
+    ),
+    "no_maxpool": (
+        "no_maxpool stem: the network was trained without the 3x3 max-pool after conv1; the weights load into a "
+        "standard torchvision model, but set model.maxpool = torch.nn.Identity() to compute the same features"
+    ),
+}
+#: ``MODEL.RESNETS`` settings Detectron2 needs to build the same trunk as torchvision.
+_DETECTRON2_RESNETS = {
+    "resnet18": {"DEPTH": 18, "RES2_OUT_CHANNELS": 64},
+    "resnet34": {"DEPTH": 34, "RES2_OUT_CHANNELS": 64},
+    "resnet50": {"DEPTH": 50},
+    "resnet101": {"DEPTH": 101},
+    "resnet152": {"DEPTH": 152},
+    "resnext50_32x4d": {"DEPTH": 50, "NUM_GROUPS": 32, "WIDTH_PER_GROUP": 4},
+    "wide_resnet50_2": {"DEPTH": 50, "WIDTH_PER_GROUP": 128},
+}
+
+
+def export_backbone(
+    checkpoint_path: str | Path,
+    out_path: str | Path,
+    *,
+    network: str = "student",
+    fmt: str = "torchvision",
+) -> dict[str, Any]:
+    """Write the ``network`` backbone of a pretraining checkpoint as ``fmt``; returns the metadata written
+    to ``out_path + ".json"``. A non-torchvision stem gives a warning (torchvision) or an error (detectron2)."""
+    check_choice("format", fmt, FORMATS)
+    out_path = Path(out_path)
+    backbone, info = load_backbone(checkpoint_path, network=network)
+    if fmt == "detectron2" and backbone.stem != "torchvision":
+        raise ValueError(
+            f"checkpoint {str(checkpoint_path)!r} uses the {backbone.stem} stem; Detectron2's ResNet stem is the "
+            "torchvision one (7x7 stride-2 conv1 and a max-pool), so only such backbones can be exported to it"
+        )
+    meta = {
+        "format": fmt,
+        "arch": backbone.arch,
+        "stem": backbone.stem,
+        "network": network,
+        "source_checkpoint": str(checkpoint_path),
+        "epoch": info["epoch"],
+        "iteration": info["iteration"],
+        "obow_version": __version__,
+        "views": info["views"],
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+    if fmt == "torchvision":
+        save_atomic(torchvision_state_dict(backbone), out_path)
+        meta["fc"] = FC_NOTE
+        meta["usage"] = f"model = torchvision.models.{backbone.arch}(); model.load_state_dict(torch.load(path))"
+    else:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(out_path, "wb") as f:
+            pickle.dump(detectron2_checkpoint(backbone.state_dict()), f)
+        meta["fc"] = "not exported (Detectron2 builds its own heads)"
+        meta["detectron2_config"] = detectron2_config(backbone.arch, info["views"])
+    if backbone.stem in STEM_NOTES:
+        meta["stem_note"] = STEM_NOTES[backbone.stem]
+        warnings.warn(STEM_NOTES[backbone.stem], stacklevel=2)
+    Path(f"{out_path}.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def torchvision_state_dict(backbone: ResNetBackbone) -> dict[str, Tensor]:
+    """The backbone's weights plus an untrained ``fc``: exactly what ``torch.manual_seed(0);
+    torchvision.models.<arch>()`` initialises, so the file loads with ``strict=True``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(FC_SEED)
+        fc = torchvision.models.get_model(backbone.arch, weights=None).fc
+    state = {k: v.detach().cpu().clone() for k, v in backbone.state_dict().items()}
+    state["fc.weight"] = fc.weight.detach().clone()
+    state["fc.bias"] = fc.bias.detach().clone()
+    return state
+
+
+def detectron2_key(key: str) -> str | None:
+    """Detectron2's name for a torchvision ResNet key, ``None`` for keys it does not take (``fc``).
+
+    The renaming of MoCo's ``detection/convert-pretrain-to-detectron2.py``: the stem's ``conv1`` / ``bn1``
+    go under ``stem.``; ``layerN`` is ``res{N+1}``; each ``bnK`` is the norm of ``convK``
+    (``convK.norm``); ``downsample.0`` / ``downsample.1`` are ``shortcut`` / ``shortcut.norm``.
+    """
+    if key.startswith("fc."):
+        return None
+    if not key.startswith("layer"):
+        key = f"stem.{key}"
+    key = re.sub(r"^layer(\d+)", lambda m: f"res{int(m.group(1)) + 1}", key)
+    key = re.sub(r"(^|\.)bn(\d+)\.", r"\1conv\2.norm.", key)
+    return key.replace("downsample.0.", "shortcut.").replace("downsample.1.", "shortcut.norm.")
+
+
+def detectron2_checkpoint(state: dict[str, Tensor]) -> dict[str, Any]:
+    """The pickled object Detectron2's ``DetectionCheckpointer`` reads (``matching_heuristics`` lets it match
+    names by suffix, as for MoCo's converted weights)."""
+    model = {}
+    for key, value in state.items():
+        new = detectron2_key(key)
+        if new is not None:
+            model[new] = value.detach().cpu().numpy()
+    return {"model": model, "__author__": "obow", "matching_heuristics": True}
+
+
+def detectron2_config(arch: str, views: dict[str, Any] | None) -> dict[str, Any]:
+    """Detectron2 settings that make its ResNet compute what the exported torchvision trunk computes.
+
+    torchvision puts a Bottleneck's stride in its 3x3 conv (``STRIDE_IN_1X1: False``) and takes RGB input
+    normalised by the recipe's mean and std, which Detectron2 expresses on the 0-255 scale.
+    """
+    mean = views["mean"] if views else [0.485, 0.456, 0.406]
+    std = views["std"] if views else [0.229, 0.224, 0.225]
+    resnets = {f"MODEL.RESNETS.{k}": v for k, v in _DETECTRON2_RESNETS[arch].items()}
+    return {
+        **resnets,
+        "MODEL.RESNETS.STRIDE_IN_1X1": False,
+        "INPUT.FORMAT": "RGB",
+        "MODEL.PIXEL_MEAN": [round(255 * m, 3) for m in mean],
+        "MODEL.PIXEL_STD": [round(255 * s, 3) for s in std],
+    }

@@ -1,0 +1,204 @@
+import argparse
+import datetime
+import json
+import shutil
+
+import numpy as np
+import pytest
+from PIL import Image
+from test_export import make_checkpoint
+
+from obow.cli_eval import add_eval_parser, add_export_parser
+from obow.evaluate.features import eval_dataset, extract_features, load_backbone, views_from_dict
+from obow.evaluate.fewshot import prototype_accuracy, sample_episodes
+from obow.evaluate.knn import knn_accuracy
+
+COLOURS = {"blue": (40, 60, 200), "green": (40, 190, 60), "red": (200, 50, 40)}
+
+
+def run(*argv):
+    parser = argparse.ArgumentParser(prog="obow")
+    sub = parser.add_subparsers()
+    add_eval_parser(sub)
+    add_export_parser(sub)
+    args = parser.parse_args([str(a) for a in argv])
+    return args.func(args)
+
+
+def write_images(folder, rgb, n, rng, size=16):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        pixels = np.clip(np.array(rgb) + rng.normal(0, 40, (size, size, 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(folder / f"{i}.png")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 8), ("val", 6)):
+        for name, rgb in COLOURS.items():
+            write_images(root / "data" / split / name, rgb, n, rng)
+    ckpt = make_checkpoint(root / "run" / "checkpoint.pt", size=16)
+    return root / "data", ckpt
+
+
+FAST = ("--workers", 0, "--device", "cpu")
+
+
+def reference_features(ckpt, folder, network="student"):
+    backbone, info = load_backbone(ckpt, network=network)
+    return extract_features(backbone, eval_dataset(folder, views_from_dict(info["views"])))
+
+
+def test_knn_end_to_end(setup, capsys):
+    data, ckpt = setup
+    assert run("eval", "knn", "--checkpoint", ckpt, "--data", data, *FAST) == 0
+    report = json.loads((ckpt.parent / "eval" / "knn.json").read_text())
+    assert report["protocol"] == "knn"
+    rows = report["results"]["knn"]
+    assert [(r["k"], r["k_used"], r["temperature"]) for r in rows] == [(200, 24, 0.1), (20, 20, 0.1)]
+    train_x, train_y = reference_features(ckpt, data / "train")
+    test_x, test_y = reference_features(ckpt, data / "val")
+    for row in rows:
+        assert row["top1"] == pytest.approx(knn_accuracy(train_x, train_y, test_x, test_y, k=row["k"]))
+        assert "top5" not in row  # 3 classes
+    assert report["source"] == {
+        "kind": "checkpoint",
+        "path": str(ckpt),
+        "network": "student",
+        "epoch": 3,
+        "iteration": 30,
+        "arch": "resnet18",
+        "stem": "cifar",
+    }
+    assert report["settings"]["k"] == [200, 20] and report["settings"]["view"]["teacher_size"] == 16
+    assert report["data"]["root"] == str(data) and report["data"]["classes"] == sorted(COLOURS)
+    assert (report["data"]["num_train"], report["data"]["num_test"]) == (24, 18)
+    datetime.datetime.fromisoformat(report["date"])
+    assert "top-1" in capsys.readouterr().out
+
+
+def test_knn_of_the_teacher_goes_to_its_own_report(setup):
+    data, ckpt = setup
+    assert run("eval", "knn", "--checkpoint", ckpt, "--network", "teacher", "--k", 5, "--data", data, *FAST) == 0
+    report = json.loads((ckpt.parent / "eval" / "knn_teacher.json").read_text())
+    assert report["source"]["network"] == "teacher" and report["results"]["knn"][0]["k"] == 5
+
+
+def test_fewshot_end_to_end(setup, tmp_path):
+    data, ckpt = setup
+    out = tmp_path / "fewshot.json"
+    argv = ("eval", "fewshot", "--checkpoint", ckpt, "--data", data, "--shots", 1, 2, "--episodes", 20, "--out", out)
+    assert run(*argv, *FAST) == 0
+    report = json.loads(out.read_text())
+    rows = report["results"]["fewshot"]
+    assert [(r["ways"], r["shots"], r["queries"]) for r in rows] == [(3, 1, 1), (3, 2, 1)]  # min(50, 3) ways
+    features, labels = reference_features(ckpt, data / "val")
+    for row in rows:
+        episodes = sample_episodes(labels, n_way=3, n_shot=row["shots"], n_query=1, n_episodes=20, seed=0)
+        mean, ci = prototype_accuracy(features, labels, episodes)
+        assert (row["accuracy"], row["ci95"]) == pytest.approx((mean, ci))
+    assert report["settings"]["split"] == "val" and report["settings"]["episodes"] == 20
+    assert report["data"]["num_images"] == 18
+
+
+def test_linear_and_finetune_run_and_record_their_settings(setup, tmp_path):
+    data, ckpt = setup
+    out = tmp_path / "linear.json"
+    assert run("eval", "linear", "--checkpoint", ckpt, "--data", data, "--epochs", 3, "--out", out, *FAST) == 0
+    settings = json.loads(out.read_text())["settings"]
+    assert (settings["preset"], settings["epochs"], settings["lr"], settings["num_views"]) == ("resnet18", 3, 10.0, 2)
+    assert (settings["batch_size"], settings["weight_decay"], settings["lr_per_epoch"]) == (256, 2e-6, [10.0] * 3)
+    argv = ("eval", "linear", "--checkpoint", ckpt, "--data", data, "--preset", "resnet50", "--batch", 16, "--lr", 1)
+    assert run(*argv, "--epochs", 2, "--out", out, *FAST) == 0
+    report = json.loads(out.read_text())
+    settings = report["settings"]
+    assert (settings["schedule"], settings["batch_size"], settings["extract_batch_size"]) == ("cosine", 16, 256)
+    assert settings["lr_per_epoch"] == [1.0, 0.5]
+    assert 0 <= report["results"]["top1"] <= 100
+
+    out = tmp_path / "finetune.json"
+    argv = ("eval", "finetune", "--checkpoint", ckpt, "--data", data, "--fraction", 0.1, "--epochs", 1, "--out", out)
+    assert run(*argv, *FAST) == 0
+    report = json.loads(out.read_text())
+    settings = report["settings"]
+    assert settings["preset"] == "10%" and (settings["head_lr"], settings["trunk_lr"]) == (0.5, 0.0002)
+    assert settings["milestones"] == [12, 16] and settings["epochs"] == 1
+    subset = json.loads((tmp_path / "finetune_subset.json").read_text())
+    assert settings["subset_file"] == str(tmp_path / "finetune_subset.json")
+    assert sorted(item["class"] for item in subset) == sorted(COLOURS)  # round(0.1 * 8) = 1 per class
+    for item in subset:
+        assert (data / "train" / item["path"]).is_file() and item["path"].startswith(item["class"] + "/")
+
+
+def test_random_init_baseline_needs_an_architecture_and_records_the_seed(setup, tmp_path):
+    data, _ = setup
+    out = tmp_path / "random.json"
+    argv = ("eval", "knn", "--random-init", "--arch", "resnet18", "--stem", "cifar", "--size", 16, "--seed", 4)
+    assert run(*argv, "--k", 5, "--data", data, "--out", out, *FAST) == 0
+    source = json.loads(out.read_text())["source"]
+    assert (source["kind"], source["seed"], source["arch"], source["stem"]) == ("random_init", 4, "resnet18", "cifar")
+    with pytest.raises(ValueError, match="needs an architecture"):
+        run("eval", "knn", "--random-init", "--data", data, "--out", out, *FAST)
+
+
+def test_architecture_mismatches_are_named(setup, tmp_path, capsys):
+    data, ckpt = setup
+    with pytest.raises(ValueError, match="holds a resnet18 backbone.*resnet50 was requested"):
+        run("eval", "knn", "--checkpoint", ckpt, "--random-init", "--arch", "resnet50", "--data", data, *FAST)
+    with pytest.raises(ValueError, match="holds a resnet18 backbone.*resnet50 was requested"):
+        run("eval", "knn", "--checkpoint", ckpt, "--arch", "resnet50", "--data", data, *FAST)
+    exported = tmp_path / "backbone.pth"
+    assert run("export", "--checkpoint", ckpt, "--out", exported) == 0
+    assert "3x3 stride-1" in capsys.readouterr().err  # the CIFAR-stem warning
+    with pytest.raises(ValueError, match="holds a resnet18 backbone.*resnet50 was requested"):
+        run("eval", "knn", "--backbone", exported, "--arch", "resnet50", "--data", data, *FAST)
+
+
+def test_exported_backbone_evaluates_like_its_checkpoint(setup, tmp_path):
+    data, ckpt = setup
+    exported = tmp_path / "backbone.pth"
+    run("export", "--checkpoint", ckpt, "--out", exported, "--network", "teacher")
+    assert run("eval", "knn", "--backbone", exported, "--k", 5, "--data", data, *FAST) == 0
+    from_file = json.loads((tmp_path / "eval" / "knn.json").read_text())
+    out = tmp_path / "from_ckpt.json"
+    run("eval", "knn", "--checkpoint", ckpt, "--network", "teacher", "--k", 5, "--data", data, "--out", out, *FAST)
+    assert from_file["results"] == json.loads(out.read_text())["results"]
+    assert from_file["source"]["kind"] == "exported" and from_file["source"]["network"] == "teacher"
+
+
+def test_folder_without_class_folders_is_refused(setup, tmp_path):
+    _, ckpt = setup
+    rng = np.random.default_rng(1)
+    for split in ("train", "val"):
+        write_images(tmp_path / "flat" / split, (128, 128, 128), 3, rng)
+    for protocol in ("knn", "fewshot"):
+        with pytest.raises(ValueError, match=r"flat/(train|val) holds no labelled images: .*needs class folders"):
+            run("eval", protocol, "--checkpoint", ckpt, "--data", tmp_path / "flat", *FAST)
+
+
+def test_missing_splits_are_named(setup, tmp_path):
+    data, ckpt = setup
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no train/ folder"):
+        run("eval", "knn", "--checkpoint", ckpt, "--data", tmp_path / "empty", *FAST)
+
+
+def test_more_ways_or_shots_than_the_data_hold(setup):
+    data, ckpt = setup
+    with pytest.raises(ValueError, match="5-way episodes need 5 classes, but the data hold only 3"):
+        run("eval", "fewshot", "--checkpoint", ckpt, "--data", data, "--ways", 5, *FAST)
+    with pytest.raises(ValueError, match=r"need 7 images per class, but 3 of 3 classes have fewer.*'blue' \(6\)"):
+        run("eval", "fewshot", "--checkpoint", ckpt, "--data", data, "--shots", 1, 6, *FAST)
+
+
+def test_unreadable_images_are_skipped_reported_and_recorded(setup, tmp_path):
+    data, ckpt = setup
+    shutil.copytree(data, tmp_path / "data")
+    bad = tmp_path / "data" / "train" / "blue" / "zz_broken.png"
+    bad.write_bytes(b"not a png")
+    out = tmp_path / "knn.json"
+    with pytest.warns(UserWarning, match="1 unreadable images"):
+        assert run("eval", "knn", "--checkpoint", ckpt, "--k", 5, "--data", tmp_path / "data", "--out", out, *FAST) == 0
+    assert json.loads(out.read_text())["skipped_images"] == [str(bad)]

@@ -1,5 +1,6 @@
 import pytest
 
+from obow.backbones import feature_map_size
 from obow.config import (
     Config,
     ConfigError,
@@ -22,6 +23,9 @@ def test_every_builtin_recipe_loads_and_keeps_bow_maps_of_at_least_3x3():
     for name, description in names.items():
         cfg = load_config(name)
         assert description, name
+        for level in cfg.model.levels:
+            side = feature_map_size(cfg.views.teacher_size, level, cfg.model.stem) - 2 * cfg.model.border
+            assert side >= 3, (name, level, side)
 
 
 def test_paper_recipes_hold_the_paper_numbers():

@@ -236,3 +236,30 @@ def test_bad_arguments_name_the_parameter():
     model = copy.deepcopy(tiny_model())
     with pytest.raises(ValueError, match="no interior left"):
         model.train()(torch.randn(4, 3, 8, 8), [torch.randn(4, 3, 8, 8)])
+
+
+@pytest.mark.parametrize("weighting", ["group_sum", "view_mean"])
+def test_backward_group_by_group_gives_the_same_gradients(weighting):
+    """The loss is a sum over view groups, so back-propagating one group at a time (to hold one group's
+    activations) must give the gradients of the single backward pass, generator included."""
+    torch.manual_seed(0)
+    whole = tiny_model(loss_weighting=weighting).train()
+    split = copy.deepcopy(whole)
+    teacher, views = tiny_batch()
+    torch.manual_seed(5)
+    out = whole(teacher, views)
+    out.loss.backward()
+    torch.manual_seed(5)
+    total = 0.0
+    for g in range(len(views)):
+        part = split(teacher, views, group=g, grad_scale=4.0)
+        (part.loss * 4.0).backward()  # a scaled backward, as with an fp16 gradient scaler
+        total += float(part.metrics["loss"])
+    np.testing.assert_allclose(total, float(out.metrics["loss"]), rtol=1e-5)
+    for (name, a), b in zip(whole.named_parameters(), split.parameters(), strict=True):
+        if a.grad is None:
+            assert b.grad is None, name
+            continue
+        torch.testing.assert_close(b.grad / 4.0, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    for name, value in whole.state_dict().items():
+        torch.testing.assert_close(split.state_dict()[name], value, rtol=0, atol=0, msg=name)

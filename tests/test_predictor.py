@@ -63,3 +63,13 @@ def test_fixed_head_ignores_the_vocabulary():
 def test_kappa_must_be_positive():
     with pytest.raises(ValueError, match="kappa"):
         DynamicBoWPredictor([4], 4, kappa=0.0)
+
+
+def test_normalised_student_features_give_cosine_logits_bounded_by_kappa():
+    head = DynamicBoWPredictor(word_dims=[16], feature_dim=8, kappa=5.0, normalize_features=True).train()
+    features = torch.randn(6, 8) * 30
+    w = head.weights([torch.randn(20, 16).relu()])[0]
+    z = head(features, [w])[0]
+    f = np64(features) / np.linalg.norm(np64(features), axis=1, keepdims=True)
+    np.testing.assert_allclose(np64(z), 5.0 * f @ np64(w).T, rtol=1e-5, atol=1e-5)
+    assert z.abs().max() <= 5.0 + 1e-5

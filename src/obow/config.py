@@ -62,6 +62,7 @@ class ModelConfig:
     sinkhorn_epsilon: float = 1 / 15
     sinkhorn_iterations: int = 3
     head: str = "dynamic"
+    normalize_student: bool = False
     teacher_momentum: float = 0.99
     teacher_momentum_schedule: str = "cosine"
     loss_weighting: str = "group_sum"
@@ -224,6 +225,7 @@ class TrainConfig:
     compile: bool = False
     deterministic: bool = False
     sync_batchnorm: bool = True
+    backward_per_group: bool = True
     log_every: int = 20
     checkpoint_every: int = 0
     keep_every: int = 0

@@ -8,9 +8,11 @@ same code.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def is_distributed() -> bool:
@@ -71,3 +73,13 @@ def broadcast_(tensor: Tensor, src: int = 0) -> Tensor:
     if is_distributed():
         dist.broadcast(tensor, src=src)
     return tensor
+
+
+def ddp_without_buffer_sync(module: nn.Module, device_ids: list[int] | None = None) -> nn.Module:
+    """``DistributedDataParallel`` that broadcasts buffers from rank 0 once, at construction, but not at every
+    forward: OBoW keeps its buffers (vocabularies, statistics) identical on every process by itself, and
+    re-sending them each step would only cost time (8192 x 3072 floats per step for ResNet-50)."""
+    ddp = nn.parallel.DistributedDataParallel
+    if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters:  # newer torch renamed the option
+        return ddp(module, device_ids=device_ids, forward_sync_buffers=False)
+    return ddp(module, device_ids=device_ids, broadcast_buffers=False)

@@ -98,6 +98,7 @@ class OBoW(nn.Module):
         self.momentum_schedule = teacher_momentum_schedule
         self.loss_weighting = loss_weighting
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
+        self._pending: dict | None = None  # the teacher side of a step computed group by group
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, total_iterations: int) -> OBoW:
@@ -123,9 +124,13 @@ class OBoW(nn.Module):
             )
         if cfg.head == "dynamic":
             word_dims = [student.level_channels[level] for level in cfg.levels]
-            predictor: BoWPredictor = DynamicBoWPredictor(word_dims, student.num_features, cfg.kappa)
+            predictor: BoWPredictor = DynamicBoWPredictor(
+                word_dims, student.num_features, cfg.kappa, cfg.normalize_student
+            )
         else:
-            predictor = FixedBoWPredictor([cfg.num_words] * len(cfg.levels), student.num_features, cfg.kappa)
+            predictor = FixedBoWPredictor(
+                [cfg.num_words] * len(cfg.levels), student.num_features, cfg.kappa, cfg.normalize_student
+            )
         return cls(
             student,
             extractors,
@@ -156,11 +161,55 @@ class OBoW(nn.Module):
         maps = self.teacher(images, levels=self.levels).maps
         return {level: self.extractors[level](maps[level], update=update) for level in self.levels}
 
-    def forward(self, teacher_images: Tensor, student_views: Sequence[Tensor]) -> OBoWOutput:
+    def forward(
+        self,
+        teacher_images: Tensor,
+        student_views: Sequence[Tensor],
+        group: int | None = None,
+        grad_scale: float = 1.0,
+    ) -> OBoWOutput:
         """One step's maths. ``student_views``: one tensor per view group, ``[B, n, 3, h, w]`` or ``[B, 3, h, w]``.
 
         In training mode this updates the teacher, the temperature statistics and the vocabularies.
+
+        ``group=None`` computes the whole loss (sum over groups) in one graph. ``group=g`` computes group ``g``'s
+        term only, so that the caller can back-propagate each group before the next one is built and hold the
+        activations of one group at a time (the loss is a sum over groups). Call it for ``g = 0, 1, ...`` in
+        order with the same arguments, each followed by ``backward()``: group 0 also runs the teacher side; the
+        prediction weights ``G(V)`` are computed once, and the last call's loss carries their gradient from all
+        groups (pass the loss scale as ``grad_scale`` when the backward passes are scaled, as with fp16).
         """
+        groups = self._check_views(teacher_images, student_views)
+        if group is None or group == 0:
+            state = self._teacher_side(teacher_images)
+            if group == 0:
+                self._pending = state
+        else:
+            if self._pending is None:
+                raise RuntimeError("call forward with group=0 before the other groups of a step")
+            state = self._pending
+        if group is not None and not 0 <= group < len(groups):
+            raise ValueError(f"group={group} is out of range for {len(groups)} view groups")
+
+        metrics = dict(state["metrics"]) if group in (None, 0) else {}
+        loss = teacher_images.new_zeros((), dtype=torch.float32)
+        for g in range(len(groups)) if group is None else [group]:
+            # Separate groups before the last use detached weights; their gradient is collected below.
+            with_graph = group is None or g == len(groups) - 1
+            weights = state["weights"] if with_graph else state["leaf_weights"]
+            loss = loss + self._group_loss(g, groups, weights, state["bows"], metrics)
+        if group is not None and group == len(groups) - 1:
+            # dL/dG(V) accumulated by the earlier groups' backward passes, added through a surrogate that leaves
+            # the loss value unchanged: this backward pass then carries the generator's whole gradient.
+            earlier = [w.grad for w in state["leaf_weights"]]
+            if all(e is not None for e in earlier):
+                surrogate = sum((w * (e / grad_scale)).sum() for w, e in zip(state["weights"], earlier, strict=True))
+                loss = loss + surrogate - surrogate.detach()
+            self._pending = None
+        metrics["loss"] = loss.detach()
+        return OBoWOutput(loss=loss, metrics=metrics, targets={k: b.targets for k, b in state["bows"].items()})
+
+    def _check_views(self, teacher_images: Tensor, student_views: Sequence[Tensor]) -> list[Tensor]:
         if len(student_views) == 0:
             raise ValueError("student_views must hold at least one group of views")
         batch = teacher_images.shape[0]
@@ -171,7 +220,10 @@ class OBoW(nn.Module):
                     f"student_views[{i}] must be [B, n, 3, h, w] or [B, 3, h, w] with B={batch} "
                     f"(the teacher batch), got {tuple(student_views[i].shape)}"
                 )
+        return groups
 
+    def _teacher_side(self, teacher_images: Tensor) -> dict:
+        """EMA update, BoW targets (and the vocabulary update), and the prediction weights over ``V_t``."""
         metrics: dict[str, Tensor] = {}
         if self.training:
             momentum = self.current_momentum()
@@ -182,20 +234,28 @@ class OBoW(nn.Module):
         bows = self.teacher_targets(teacher_images)
         for level, bow in bows.items():
             metrics.update({f"{level}/{k}": v for k, v in bow.diagnostics.items()})
-
         weights = self.predictor.weights(vocabularies)
-        total_views = sum(v.shape[1] for v in groups)
-        loss = teacher_images.new_zeros((), dtype=torch.float32)
-        for g, views in enumerate(groups):
-            n = views.shape[1]
-            features = self.student(views.flatten(0, 1)).pool5
-            logits = self.predictor(features, weights)
-            level_losses = []
-            for level, z in zip(self.levels, logits, strict=True):
-                level_loss = bow_loss(z.view(batch, n, -1), bows[level].targets)
-                metrics[f"loss/group{g}/{level}"] = level_loss.detach()
-                level_losses.append(level_loss)
-            group_loss = torch.stack(level_losses).mean()
-            loss = loss + (group_loss if self.loss_weighting == "group_sum" else group_loss * (n / total_views))
-        metrics["loss"] = loss.detach()
-        return OBoWOutput(loss=loss, metrics=metrics, targets={k: b.targets for k, b in bows.items()})
+        return {
+            "metrics": metrics,
+            "bows": bows,
+            "weights": weights,
+            "leaf_weights": [w.detach().requires_grad_(w.requires_grad) for w in weights],
+        }
+
+    def _group_loss(
+        self, g: int, groups: list[Tensor], weights: list[Tensor], bows: dict[str, BoWTargets], metrics: dict
+    ) -> Tensor:
+        """Group ``g``'s term: mean over its views and over levels, weighted as ``loss_weighting`` says."""
+        views = groups[g]
+        batch, n = views.shape[:2]
+        features = self.student(views.flatten(0, 1)).pool5
+        logits = self.predictor(features, weights)
+        level_losses = []
+        for level, z in zip(self.levels, logits, strict=True):
+            level_loss = bow_loss(z.view(batch, n, -1), bows[level].targets)
+            metrics[f"loss/group{g}/{level}"] = level_loss.detach()
+            level_losses.append(level_loss)
+        group_loss = torch.stack(level_losses).mean()
+        if self.loss_weighting == "group_sum":
+            return group_loss
+        return group_loss * (n / sum(v.shape[1] for v in groups))

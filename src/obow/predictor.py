@@ -43,25 +43,33 @@ class WeightGenerator(nn.Module):
 class BoWPredictor(nn.Module):
     """Common interface: :meth:`weights` once per step, then :meth:`forward` for every student view group."""
 
-    def __init__(self, kappa: float) -> None:
+    def __init__(self, kappa: float, normalize_features: bool = False) -> None:
         super().__init__()
         check_positive("kappa", kappa)
         self.kappa = float(kappa)
+        self.normalize_features = normalize_features
 
     def weights(self, vocabularies: Sequence[Tensor]) -> list[Tensor]:
         """Unit-norm prediction weights ``[K, c]`` for each level's vocabulary ``[K, C_l]``."""
         raise NotImplementedError
 
     def forward(self, features: Tensor, weights: Sequence[Tensor]) -> list[Tensor]:
-        """Logits ``kappa * S(x~) W_l^T`` of shape ``[M, K]`` per level, from ``[M, c]`` student features."""
+        """Logits ``kappa * S(x~) W_l^T`` of shape ``[M, K]`` per level, from ``[M, c]`` student features.
+
+        With ``normalize_features`` the features are L2-normalised first (cosine logits, bounded by kappa).
+        """
+        if self.normalize_features:
+            features = F.normalize(features, dim=1)
         return [self.kappa * features @ w.t() for w in weights]
 
 
 class DynamicBoWPredictor(BoWPredictor):
     """The dynamic BoW prediction head: one :class:`WeightGenerator` per BoW level."""
 
-    def __init__(self, word_dims: Sequence[int], feature_dim: int, kappa: float = 8.0) -> None:
-        super().__init__(kappa)
+    def __init__(
+        self, word_dims: Sequence[int], feature_dim: int, kappa: float = 8.0, normalize_features: bool = False
+    ) -> None:
+        super().__init__(kappa, normalize_features)
         self.generators = nn.ModuleList(WeightGenerator(c, feature_dim) for c in word_dims)
 
     def weights(self, vocabularies: Sequence[Tensor]) -> list[Tensor]:
@@ -72,8 +80,10 @@ class FixedBoWPredictor(BoWPredictor):
     """A learned weight vector per word slot and level, L2-normalised and scaled by ``kappa`` like the
     dynamic head, so that the two differ only in where the weights come from (Table 3 ablation)."""
 
-    def __init__(self, num_words: Sequence[int], feature_dim: int, kappa: float = 8.0) -> None:
-        super().__init__(kappa)
+    def __init__(
+        self, num_words: Sequence[int], feature_dim: int, kappa: float = 8.0, normalize_features: bool = False
+    ) -> None:
+        super().__init__(kappa, normalize_features)
         self.slot_weights = nn.ParameterList(nn.Parameter(0.01 * torch.randn(k, feature_dim)) for k in num_words)
 
     def weights(self, vocabularies: Sequence[Tensor]) -> list[Tensor]:

@@ -152,11 +152,7 @@ def pretrain(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
 
     step_model: nn.Module = model
     if D.is_distributed():
-        # Every buffer (vocabulary, statistics) is kept identical by the BoW code itself; broadcasting the
-        # whole state from rank 0 every step would only cost time.
-        step_model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
-        )
+        step_model = D.ddp_without_buffer_sync(model, [device.index] if device.type == "cuda" else None)
     if cfg.train.compile:
         model.student.compile()
         model.teacher.compile()
@@ -211,22 +207,22 @@ def pretrain(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
                         group["lr"] = lr
                     teacher_images, student_views = to_device(batch["image"], device, cfg.train.channels_last)
 
-                    with autocast:
-                        output = step_model(teacher_images, student_views)
                     optimizer.zero_grad(set_to_none=True)
-                    scaler.scale(output.loss).backward()
+                    metrics_t = forward_backward(
+                        step_model, teacher_images, student_views, scaler, autocast, cfg.train.backward_per_group
+                    )
                     scaler.step(optimizer)
                     scaler.update()
                     iteration += 1
                     steps += 1
-                    loss_sum += output.loss.detach()
+                    loss_sum += metrics_t["loss"]
 
                     new_skipped = set(batch["skipped"]) - skipped
                     for path in sorted(new_skipped):
                         log.warning("skipped unreadable image %s", path)
                     skipped |= new_skipped
                     if iteration % cfg.train.log_every == 0 or batch_index + 1 == iters_per_epoch:
-                        metrics = {k: float(v) for k, v in output.metrics.items()}
+                        metrics = {k: float(v) for k, v in metrics_t.items()}
                         if not math.isfinite(metrics["loss"]):
                             raise RunError(
                                 f"the loss became {metrics['loss']} at iteration {iteration}; the last good "
@@ -313,6 +309,41 @@ def truncate_log(path: Path, iteration: int) -> None:
         if record.get("iteration", 0) <= iteration:
             kept.append(line)
     path.write_text("".join(f"{line}\n" for line in kept))
+
+
+def forward_backward(
+    step_model: nn.Module,
+    teacher_images: torch.Tensor,
+    student_views: list[torch.Tensor],
+    scaler: torch.amp.GradScaler,
+    autocast: contextlib.AbstractContextManager,
+    per_group: bool,
+) -> dict[str, torch.Tensor]:
+    """Forward and backward of one step; returns the step's detached metrics (``"loss"``: the whole loss).
+
+    With ``per_group`` each student view group is back-propagated before the next is built (the loss is a
+    sum over groups), so only one group's activations are held at a time; under DDP the gradients are
+    synchronised once, in the last group's backward pass.
+    """
+    if not per_group or len(student_views) == 1:
+        with autocast:
+            output = step_model(teacher_images, student_views)
+        scaler.scale(output.loss).backward()
+        return output.metrics
+    metrics: dict[str, torch.Tensor] = {}
+    total = torch.zeros((), device=teacher_images.device)
+    grad_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+    for g in range(len(student_views)):
+        last = g == len(student_views) - 1
+        no_sync = step_model.no_sync() if D.is_distributed() and not last else contextlib.nullcontext()
+        with no_sync:
+            with autocast:
+                output = step_model(teacher_images, student_views, group=g, grad_scale=grad_scale)
+            scaler.scale(output.loss).backward()
+        metrics.update(output.metrics)
+        total += output.metrics["loss"]
+    metrics["loss"] = total
+    return metrics
 
 
 def summary(out: Path, history: list[dict[str, Any]], epochs: int, iteration: int) -> dict[str, Any]:

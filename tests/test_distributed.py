@@ -1,0 +1,171 @@
+"""Two real processes on the CPU (gloo): the distributed path must equal one process on the combined batch.
+
+Batch-norm statistics depend on how the batch is split, so the full-model comparison uses backbones whose
+batch norms are replaced by identities; the BoW machinery is compared on its own as well, with the real
+vocabulary rules. Randomised choices (a random location per image, rare-word replacement) cannot match a
+single process draw for draw; for those the processes must agree with each other.
+"""
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from obow.bow import BoWExtractor
+from obow.config import ModelConfig
+from obow.distributed import ddp_without_buffer_sync
+from obow.method import OBoW
+from obow.train import forward_backward
+from obow.vocabulary import KMeansVocabulary, QueueVocabulary
+
+WORLD = 2
+BATCH = 8  # global
+STEPS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def without_batchnorm(module: nn.Module) -> nn.Module:
+    for name, child in module.named_children():
+        if isinstance(child, nn.BatchNorm2d):
+            setattr(module, name, nn.Identity())
+        else:
+            without_batchnorm(child)
+    return module
+
+
+def build_model(cfg: ModelConfig) -> OBoW:
+    torch.manual_seed(0)
+    model = OBoW.from_config(cfg, total_iterations=10)
+    without_batchnorm(model.student)
+    without_batchnorm(model.teacher)
+    return model
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randn(BATCH, 3, 24, 24, generator=g),
+            [torch.randn(BATCH, 2, 3, 16, 16, generator=g), torch.randn(BATCH, 3, 3, 12, 12, generator=g)],
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def train(model: nn.Module, inner: OBoW, rank: int, world: int, per_group: bool = False) -> None:
+    opt = torch.optim.SGD([p for p in inner.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    per = BATCH // world
+    for teacher, views in batches():
+        sl = slice(rank * per, (rank + 1) * per)
+        opt.zero_grad()
+        forward_backward(model, teacher[sl], [v[sl] for v in views], scaler, contextlib.nullcontext(), per_group)
+        opt.step()
+
+
+MODEL_CFGS = {
+    "queue": dict(queue_sampling="global_average"),
+    "kmeans_sinkhorn": dict(vocabulary="kmeans", assignment="sinkhorn", rare_word_steps=None),
+    "queue_per_group_backward": dict(queue_sampling="global_average"),
+}
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        for name, extra in MODEL_CFGS.items():
+            cfg = ModelConfig(arch="resnet18", stem="cifar", levels=("conv4",), num_words=16, kappa=5.0, **extra)
+            inner = build_model(cfg)
+            ddp = ddp_without_buffer_sync(inner)
+            train(ddp, inner, rank, WORLD, per_group="per_group" in name)
+            torch.save(inner.state_dict(), Path(out_dir) / f"{name}_rank{rank}.pt")
+
+        # Random choices: queue with a random 3x3-averaged location, k-means with rare-word replacement.
+        torch.manual_seed(100 + rank)  # different random streams per process, as in a real run
+        fmaps = torch.randn(STEPS, BATCH, 8, 5, 5, generator=torch.Generator().manual_seed(2)).relu()
+        queue = BoWExtractor(QueueVocabulary(16, 8, "local_average"), delta_base=0.1).train()
+        kmeans = BoWExtractor(KMeansVocabulary(16, 8, rare_word_steps=1), delta_base=0.1).train()
+        for ext in (queue, kmeans):
+            dist.broadcast(ext.vocabulary.words, 0)
+        per = BATCH // WORLD
+        for fmap in fmaps:
+            queue(fmap[rank * per : (rank + 1) * per])
+            kmeans(fmap[rank * per : (rank + 1) * per] * 3)
+        torch.save(
+            {"queue": queue.state_dict(), "kmeans": kmeans.state_dict()}, Path(out_dir) / f"random_rank{rank}.pt"
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_process_states(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, start_method="spawn")
+    return out
+
+
+@pytest.mark.parametrize("name", list(MODEL_CFGS))
+def test_two_processes_equal_one_process_on_the_combined_batch(two_process_states, name):
+    states = [torch.load(two_process_states / f"{name}_rank{r}.pt") for r in range(WORLD)]
+    cfg = ModelConfig(arch="resnet18", stem="cifar", levels=("conv4",), num_words=16, kappa=5.0, **MODEL_CFGS[name])
+    single = build_model(cfg)
+    train(single, single, 0, 1, per_group="per_group" in name)
+    reference = single.state_dict()
+    assert reference["extractors.conv4.vocabulary.words"].abs().sum() > 0
+    for key, value in reference.items():
+        # every process holds identical state (vocabulary, statistics, teacher, student) ...
+        torch.testing.assert_close(states[0][key], states[1][key], rtol=0, atol=0, msg=key)
+        # ... equal to one process on the whole batch, up to float rounding of the split reductions
+        scale = max(1.0, float(value.float().abs().max()))
+        torch.testing.assert_close(states[0][key], value, rtol=1e-4, atol=1e-5 * scale, msg=key)
+    for key in ("extractors.conv4.min_distance_mean", "iteration"):
+        assert key in reference
+
+
+def test_random_vocabulary_choices_agree_across_processes(two_process_states):
+    a, b = (torch.load(two_process_states / f"random_rank{r}.pt") for r in range(WORLD))
+    for part in ("queue", "kmeans"):
+        for key, value in a[part].items():
+            torch.testing.assert_close(value, b[part][key], rtol=0, atol=0, msg=f"{part}.{key}")
+    assert int(a["queue"]["vocabulary.ptr"]) == (STEPS * BATCH) % 16
+    assert int(a["kmeans"]["vocabulary.step"]) == STEPS
+
+
+def test_torchrun_pretraining_on_two_cpu_processes(tmp_path):
+    """The real launcher: `torchrun --nproc_per_node 2 -m obow.cli pretrain ...` with gloo on the CPU."""
+    from test_cli_pretrain import TINY_RECIPE, write_images
+
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(TINY_RECIPE)
+    data = write_images(tmp_path / "data", per_class=8)
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        "-m", "obow.cli", "pretrain", "--config", str(recipe), "--data", str(data), "--out", str(out),
+        "optim.epochs=1", "train.knn_every=0",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from obow.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(out / "checkpoint.pt")
+    assert ckpt["iteration"] == 2  # 16 images, global batch 8
+    assert len((out / "log.jsonl").read_text().splitlines()) == 3  # only rank 0 writes: 2 steps + 1 epoch
+    assert proc.stderr.count("New run") == 1

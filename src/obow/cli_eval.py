@@ -126,7 +126,12 @@ def _common_options() -> argparse.ArgumentParser:
     run.add_argument("--resize", type=_positive_int, help="resize before the crop (default: the recipe's)")
     run.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     run.add_argument("--batch-size", type=_positive_int, help="images per batch (default 256)")
-    run.add_argument("--workers", type=int, default=4, help="data loading processes (default 4)")
+    run.add_argument(
+        "--workers",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="data loaders (default: min(4, CPUs))",
+    )
     run.add_argument("--seed", type=int, default=0, help="random init, episodes, subsets and shuffling (0)")
     return common
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from obow.backbones import ResNetBackbone
-from obow.bow import BoWExtractor, BoWTargets
+from obow.bow import BoWExtractor, BoWTargets, at_least_float32
 from obow.config import LOSS_WEIGHTINGS, MOMENTUM_SCHEDULES, ModelConfig
 from obow.predictor import BoWPredictor, DynamicBoWPredictor, FixedBoWPredictor
 from obow.schedules import teacher_momentum
@@ -41,7 +41,7 @@ def bow_loss(logits: Tensor, targets: Tensor) -> Tensor:
     gradient is that of the paper's cross-entropy (eq. 3); its value is that minus the targets' entropy, so
     a perfect prediction scores 0. Zero target entries contribute exactly 0 (``0 log 0 = 0``).
     """
-    log_probs = F.log_softmax(logits.float(), dim=-1)
+    log_probs = F.log_softmax(at_least_float32(logits), dim=-1)
     cross_entropy = -(targets.unsqueeze(1) * log_probs).sum(dim=-1)
     neg_entropy = torch.special.xlogy(targets, targets).sum(dim=-1, keepdim=True)
     return (cross_entropy + neg_entropy).mean()

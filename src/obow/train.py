@@ -131,7 +131,8 @@ def pretrain(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
             scaler.load_state_dict(ckpt["scaler"])
         start_epoch, start_batch = ckpt["epoch"], ckpt["batch_in_epoch"]
         history, skipped = ckpt.get("history", []), set(ckpt.get("skipped_images", []))
-        set_rng_state(ckpt["rng"])
+        states = ckpt["rng"]
+        set_rng_state(states[D.rank()] if len(states) == world else states[0])
         if is_main:
             log.info(
                 "Resuming %s from epoch %d, batch %d (iteration %d of %d)",
@@ -163,7 +164,10 @@ def pretrain(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
         log.info("kNN monitor off: %s", monitor.reason)
     autocast = precision_context(cfg.train.precision, device)
 
-    def save(epoch: int, batch_in_epoch: int, iteration: int) -> None:
+    def save(epoch: int, batch_in_epoch: int, iteration: int, every_process: bool = True) -> None:
+        # Every process's random state is kept (they differ: queue sampling), when all of them are here to
+        # send it; an interruption saves the main process's only, so such a resume is exact on one process.
+        rng = gather_rng_states() if every_process else [get_rng_state()]
         if not is_main:
             return
         state = {
@@ -176,7 +180,7 @@ def pretrain(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
             "epoch": epoch,
             "batch_in_epoch": batch_in_epoch,
             "iteration": iteration,
-            "rng": get_rng_state(),
+            "rng": rng,
             "skipped_images": sorted(skipped),
             "history": history,
         }
@@ -229,6 +233,7 @@ def pretrain(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
                                 f"checkpoint is {ckpt_path} (lower optim.lr or use train.precision=fp32)"
                             )
                         logger.step(epoch, iteration, lr, metrics, len(skipped), cfg.data.batch_size)
+                        logger.last_shown = (metrics["loss"], lr)
                         progress.show(metrics["loss"], lr)
                     progress.update(cfg.data.batch_size)
                     if cfg.train.checkpoint_every and iteration % cfg.train.checkpoint_every == 0:
@@ -253,7 +258,7 @@ def pretrain(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
                 save(epoch + 1, 0, iteration)
         except Interrupted:
             batch_done = iteration - epoch * iters_per_epoch
-            save(epoch, batch_done, iteration)
+            save(epoch, batch_done, iteration, every_process=False)
             if is_main:
                 log.info("Interrupted: checkpoint written at iteration %d; run the same command to resume", iteration)
             raise
@@ -443,6 +448,16 @@ def get_rng_state() -> dict[str, Any]:
     }
 
 
+def gather_rng_states() -> list[dict[str, Any]]:
+    """The random states of every process, in rank order (on every process)."""
+    state = get_rng_state()
+    if not D.is_distributed():
+        return [state]
+    states: list[Any] = [None] * D.world_size()
+    dist.all_gather_object(states, state)
+    return states
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -484,6 +499,7 @@ class RunLogger:
             self.tb = SummaryWriter(str(out / "tensorboard"))
         self.last_time = time.time()
         self.last_iteration: int | None = None
+        self.last_shown: tuple[float, float] | None = None
 
     def write(self, record: dict[str, Any]) -> None:
         if self.jsonl is not None:
@@ -518,13 +534,16 @@ class RunLogger:
         log.info("epoch %d: %s", record["epoch"], ", ".join(f"{k} {v:.4g}" for k, v in record.items() if k != "epoch"))
 
     def progress(self, epoch: int, start: int, per_epoch: int, total: int, iteration: int) -> Progress:
-        return Progress(
+        bar = Progress(
             enabled=self.enabled and self.cfg.train.progress_bar,
             desc=f"epoch {epoch + 1}/{self.cfg.optim.epochs}",
             start=start,
             per_epoch=per_epoch,
             remaining_total=total - iteration,
         )
+        if self.last_shown is not None:  # carry the last loss and learning rate over to the new epoch's bar
+            bar.show(*self.last_shown)
+        return bar
 
     def close(self) -> None:
         if self.jsonl is not None:

@@ -1,0 +1,58 @@
+import json
+
+import torch
+from PIL import Image
+
+from obow.config import load_config
+from obow.demo import run_demo, write_digits
+from obow.evaluate.features import load_backbone
+from obow.method import OBoW
+
+
+def test_write_digits_makes_a_stratified_class_folder_split(tmp_path):
+    train, val = write_digits(tmp_path / "data")
+    counts = {split.name: {d.name: len(list(d.glob("*.png"))) for d in split.iterdir()} for split in (train, val)}
+    assert set(counts["train"]) == set(counts["val"]) == {str(i) for i in range(10)}
+    assert sum(counts["train"].values()) + sum(counts["val"].values()) == 1797
+    assert abs(sum(counts["train"].values()) - sum(counts["val"].values())) <= 1
+    for digit in counts["train"]:  # stratified: every class split in halves
+        assert abs(counts["train"][digit] - counts["val"][digit]) <= 1
+    image = Image.open(next((train / "3").glob("*.png")))
+    assert image.size == (32, 32) and image.mode == "RGB"
+    before = sorted(p.stat().st_mtime_ns for p in train.rglob("*.png"))
+    write_digits(tmp_path / "data")  # already written: kept as it is
+    assert sorted(p.stat().st_mtime_ns for p in train.rglob("*.png")) == before
+
+
+def test_random_init_baseline_is_the_pretraining_runs_starting_network():
+    """The demo compares with 'the same network at its random initialisation': the weights that obow.train
+    builds before its first step (seed, then OBoW.from_config)."""
+    cfg = load_config("demo")
+    torch.manual_seed(cfg.train.seed)
+    start = OBoW.from_config(cfg.model, total_iterations=10).student.state_dict()
+    baseline, info = load_backbone(random_init=True, arch=cfg.model.arch, stem=cfg.model.stem, seed=cfg.train.seed)
+    assert info["kind"] == "random_init"
+    for name, value in start.items():
+        torch.testing.assert_close(baseline.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
+    report = run_demo(
+        tmp_path,
+        [
+            "optim.epochs=2",
+            "views.num_patches=0",
+            "model.num_words=128",
+            "data.num_workers=0",
+            "train.progress_bar=false",
+        ],
+    )
+    rows = report["results"]
+    for row in rows.values():
+        for key in ("fewshot_10way_1shot", "fewshot_10way_5shot", "knn_k20"):
+            assert 0 <= row[key] <= 100
+    assert rows["random init"]["fewshot_10way_1shot"] > 20  # far above chance (10%): the protocol works
+    saved = json.loads((tmp_path / "demo_results.json").read_text())
+    assert saved["results"] == rows and saved["pretext"]["first_loss"] > 0
+    out = capsys.readouterr().out
+    assert "random init" in out and "OBoW pretrained" in out and "pretext task" in out

@@ -110,11 +110,13 @@ def test_linear_and_finetune_run_and_record_their_settings(setup, tmp_path):
     settings = json.loads(out.read_text())["settings"]
     assert (settings["preset"], settings["epochs"], settings["lr"], settings["num_views"]) == ("resnet18", 3, 10.0, 2)
     assert (settings["batch_size"], settings["weight_decay"], settings["lr_per_epoch"]) == (256, 2e-6, [10.0] * 3)
+    assert settings["batch_norm"] is False
     argv = ("eval", "linear", "--checkpoint", ckpt, "--data", data, "--preset", "resnet50", "--batch", 16, "--lr", 1)
-    assert run(*argv, "--epochs", 2, "--out", out, *FAST) == 0
+    assert run(*argv, "--epochs", 2, "--batch-norm", "--out", out, *FAST) == 0
     report = json.loads(out.read_text())
     settings = report["settings"]
     assert (settings["schedule"], settings["batch_size"], settings["extract_batch_size"]) == ("cosine", 16, 256)
+    assert settings["batch_norm"] is True
     assert settings["lr_per_epoch"] == [1.0, 0.5]
     assert 0 <= report["results"]["top1"] <= 100
 

@@ -113,3 +113,23 @@ def test_bad_views_raise():
         train_linear_probe([x, x, x], y, x, y, **FAST)
     with pytest.raises(ValueError, match="list"):
         train_linear_probe(x, y, x, y, **FAST)
+
+
+def test_batch_norm_makes_the_probe_indifferent_to_feature_scale():
+    # The classes live in 64 dimensions of tiny scale (1e-3); 8 uninformative dimensions are huge and offset.
+    # Plain SGD is dominated by the huge ones; the non-affine batch norm standardises every dimension, and its
+    # test-time statistics (cumulative averages over the training batches) must match the features' own
+    # tiny variance, or the test predictions fall apart although the training loss is near zero.
+    train, train_labels = gaussian_classes(1000, seed=0)
+    test, test_labels = gaussian_classes(500, seed=1)
+    g = torch.Generator().manual_seed(3)
+
+    def badly_scaled(x):
+        return torch.cat([1e-3 * x, 1000 + 100 * torch.randn(x.shape[0], 8, generator=g)], dim=1)
+
+    a, b = badly_scaled(train), badly_scaled(test)
+    settings = dict(epochs=10, lr=0.1, batch_size=256, weight_decay=0.0, schedule="cosine")
+    plain = train_linear_probe([a], train_labels, b, test_labels, **settings)
+    normed = train_linear_probe([a], train_labels, b, test_labels, batch_norm=True, **settings)
+    assert plain["top1"] < 30 and not plain["batch_norm"]
+    assert normed["top1"] >= 98 and normed["batch_norm"]

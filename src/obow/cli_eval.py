@@ -73,6 +73,9 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--lr", type=_positive_float, help="override the preset's learning rate")
     p.add_argument("--wd", type=float, help="override the preset's weight decay")
     p.add_argument("--batch", type=_positive_int, help="override the preset's batch size")
+    p.add_argument(
+        "--batch-norm", action="store_true", help="a non-affine batch norm before the linear layer (scale-free)"
+    )
     p.set_defaults(func=run_linear)
 
     p = protocols.add_parser("fewshot", parents=[common], help="N-way K-shot prototype episodes (sec. 4.1)")
@@ -200,6 +203,7 @@ def run_linear(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=run.device,
         num_classes=len(train_images.classes),
+        batch_norm=args.batch_norm,
     )
     run.print_table(
         ["preset", "epochs", "top-1", "top-5"], [[preset, result["epochs"], result["top1"], result.get("top5")]]

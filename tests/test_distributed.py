@@ -88,6 +88,9 @@ MODEL_CFGS = {
     "queue": dict(queue_sampling="global_average"),
     "kmeans_sinkhorn": dict(vocabulary="kmeans", assignment="sinkhorn", rare_word_steps=None),
     "queue_per_group_backward": dict(queue_sampling="global_average"),
+    # each process runs the weight generator over K / 2 words; weights, gradients and BN statistics must not change
+    "split_generator": dict(queue_sampling="global_average", split_generator=True),
+    "split_generator_per_group_backward": dict(queue_sampling="global_average", split_generator=True),
 }
 
 

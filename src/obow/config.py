@@ -63,6 +63,7 @@ class ModelConfig:
     sinkhorn_iterations: int = 3
     head: str = "dynamic"
     normalize_student: bool = False
+    split_generator: bool = False
     teacher_momentum: float = 0.99
     teacher_momentum_schedule: str = "cosine"
     loss_weighting: str = "group_sum"

@@ -75,6 +75,52 @@ def broadcast_(tensor: Tensor, src: int = 0) -> Tensor:
     return tensor
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over processes; its gradient is the sum over processes of the gradients (every process's loss
+    depends on the sum)."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor) -> Tensor:
+        out = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        out = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+
+class _AllGatherCat(torch.autograd.Function):
+    """Concatenation in rank order; the gradient of a process's part is the sum over processes of the
+    gradients of that part (summed with an all-reduce, which every backend has, then sliced)."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor) -> Tensor:
+        ctx.rows = tensor.shape[0]
+        parts = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(world_size())]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        total = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        start = rank() * ctx.rows
+        return total[start : start + ctx.rows]
+
+
+def all_reduce_sum_autograd(tensor: Tensor) -> Tensor:
+    """:func:`all_reduce_sum` through which gradients flow (to every process's input)."""
+    return _AllReduceSum.apply(tensor) if is_distributed() else tensor
+
+
+def all_gather_cat_autograd(tensor: Tensor) -> Tensor:
+    """:func:`all_gather_cat` through which gradients flow back to each process's own part."""
+    return _AllGatherCat.apply(tensor) if is_distributed() else tensor
+
+
 def ddp_without_buffer_sync(module: nn.Module, device_ids: list[int] | None = None) -> nn.Module:
     """``DistributedDataParallel`` that broadcasts buffers from rank 0 once, at construction, but not at every
     forward: OBoW keeps its buffers (vocabularies, statistics) identical on every process by itself, and

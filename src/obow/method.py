@@ -125,7 +125,7 @@ class OBoW(nn.Module):
         if cfg.head == "dynamic":
             word_dims = [student.level_channels[level] for level in cfg.levels]
             predictor: BoWPredictor = DynamicBoWPredictor(
-                word_dims, student.num_features, cfg.kappa, cfg.normalize_student
+                word_dims, student.num_features, cfg.kappa, cfg.normalize_student, cfg.split_generator
             )
         else:
             predictor = FixedBoWPredictor(

@@ -18,26 +18,57 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from obow import distributed as D
 from obow.validation import check_positive
 
 
 class WeightGenerator(nn.Module):
     """``G(v)``: L2-normalise -> Linear(no bias) -> BatchNorm1d -> ReLU -> Linear -> L2-normalise.
 
-    The hidden width is ``2 * feature_dim``. The batch norm's batch is the ``K`` words of the vocabulary (it
-    is deliberately not synchronised across processes: every process holds the same vocabulary).
+    The hidden width is ``2 * feature_dim``. The batch norm's batch is the ``K`` words of the vocabulary.
+
+    Every process holds the same vocabulary, so by default (as in the official code) every process runs the
+    generator over all ``K`` words. With ``split=True`` and several processes, process ``r`` runs it over its
+    ``K / world`` contiguous words only; the batch norm's statistics are summed over processes and the
+    outputs gathered in rank order, both through autograd-aware collectives, so the weights, their gradients
+    (after DDP's averaging) and the batch norm's running statistics equal the unsplit computation's: each
+    process does ``1 / world`` of the generator's work, plus three collectives.
     """
 
-    def __init__(self, word_dim: int, feature_dim: int) -> None:
+    def __init__(self, word_dim: int, feature_dim: int, split: bool = False) -> None:
         super().__init__()
         hidden = 2 * feature_dim
         self.fc1 = nn.Linear(word_dim, hidden, bias=False)
         self.bn = nn.BatchNorm1d(hidden)
         self.fc2 = nn.Linear(hidden, feature_dim)
+        self.split = split
 
     def forward(self, words: Tensor) -> Tensor:
-        hidden = F.relu(self.bn(self.fc1(F.normalize(words, dim=1))))
-        return F.normalize(self.fc2(hidden), dim=1)
+        world = D.world_size()
+        if not (self.split and world > 1):
+            hidden = F.relu(self.bn(self.fc1(F.normalize(words, dim=1))))
+            return F.normalize(self.fc2(hidden), dim=1)
+        k = words.shape[0]
+        if k % world:
+            raise ValueError(f"the generator split needs K={k} divisible by the {world} processes")
+        mine = words.chunk(world)[D.rank()]
+        hidden = F.relu(self._split_batch_norm(self.fc1(F.normalize(mine, dim=1)), k))
+        out = F.normalize(self.fc2(hidden), dim=1)
+        return D.all_gather_cat_autograd(out)
+
+    def _split_batch_norm(self, x: Tensor, total: int) -> Tensor:
+        """``self.bn`` over the ``total`` rows held by all processes together (``x``: this process's rows)."""
+        bn = self.bn
+        if not bn.training:
+            return bn(x)
+        mean = D.all_reduce_sum_autograd(x.sum(dim=0)) / total
+        var = D.all_reduce_sum_autograd((x - mean).pow(2).sum(dim=0)) / total  # biased, as batch norm normalises
+        with torch.no_grad():
+            bn.num_batches_tracked.add_(1)
+            m = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
+            bn.running_mean.lerp_(mean.detach(), m)
+            bn.running_var.lerp_(var.detach() * total / (total - 1), m)  # unbiased, as nn.BatchNorm1d keeps
+        return (x - mean) * torch.rsqrt(var + bn.eps) * bn.weight + bn.bias
 
 
 class BoWPredictor(nn.Module):
@@ -67,10 +98,15 @@ class DynamicBoWPredictor(BoWPredictor):
     """The dynamic BoW prediction head: one :class:`WeightGenerator` per BoW level."""
 
     def __init__(
-        self, word_dims: Sequence[int], feature_dim: int, kappa: float = 8.0, normalize_features: bool = False
+        self,
+        word_dims: Sequence[int],
+        feature_dim: int,
+        kappa: float = 8.0,
+        normalize_features: bool = False,
+        split_generator: bool = False,
     ) -> None:
         super().__init__(kappa, normalize_features)
-        self.generators = nn.ModuleList(WeightGenerator(c, feature_dim) for c in word_dims)
+        self.generators = nn.ModuleList(WeightGenerator(c, feature_dim, split_generator) for c in word_dims)
 
     def weights(self, vocabularies: Sequence[Tensor]) -> list[Tensor]:
         return [g(v) for g, v in zip(self.generators, vocabularies, strict=True)]

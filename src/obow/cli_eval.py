@@ -42,7 +42,7 @@ from obow.evaluate.features import (
 )
 from obow.evaluate.fewshot import default_ways, prototype_accuracy, sample_episodes
 from obow.evaluate.finetune import FINETUNE_PRESETS, balanced_subset, finetune, finetune_transform
-from obow.evaluate.knn import DEFAULT_KS, DEFAULT_TEMPERATURE, knn_scores, topk_accuracy
+from obow.evaluate.knn import DEFAULT_KS, DEFAULT_TEMPERATURE, knn_scores, top1_top5
 from obow.evaluate.linear import LINEAR_PRESETS, preset_for_arch, preset_settings, train_linear_probe
 from obow.export import FORMATS, export_backbone
 
@@ -172,10 +172,7 @@ def run_knn(args: argparse.Namespace) -> int:
             train_x, train_y, test_x, k=k, temperature=args.temperature, num_classes=num_classes, chunk_size=chunk
         )
         row = {"k": k, "k_used": min(k, len(train_y)), "temperature": args.temperature}
-        row["top1"] = topk_accuracy(scores, test_y, 1)
-        if num_classes >= 5:
-            row["top5"] = topk_accuracy(scores, test_y, 5)
-        rows.append(row)
+        rows.append({**row, **top1_top5(scores, test_y)})
     run.print_table(
         ["k", "T", "top-1", "top-5"], [[r["k_used"], r["temperature"], r["top1"], r.get("top5")] for r in rows]
     )

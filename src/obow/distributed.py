@@ -31,50 +31,6 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
-@torch.no_grad()
-def all_reduce_sum(tensor: Tensor) -> Tensor:
-    """Sum of ``tensor`` over processes (a new tensor; the input is left as it is)."""
-    if not is_distributed():
-        return tensor.clone()
-    out = tensor.clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out
-
-
-@torch.no_grad()
-def all_reduce_mean(tensor: Tensor) -> Tensor:
-    """Mean of ``tensor`` over processes."""
-    return all_reduce_sum(tensor) / world_size()
-
-
-@torch.no_grad()
-def all_reduce_max(tensor: Tensor) -> Tensor:
-    """Element-wise maximum of ``tensor`` over processes."""
-    if not is_distributed():
-        return tensor.clone()
-    out = tensor.clone()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return out
-
-
-@torch.no_grad()
-def all_gather_cat(tensor: Tensor) -> Tensor:
-    """Concatenate ``tensor`` (same shape on every process) along dim 0, in rank order."""
-    if not is_distributed():
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(world_size())]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts, dim=0)
-
-
-@torch.no_grad()
-def broadcast_(tensor: Tensor, src: int = 0) -> Tensor:
-    """Overwrite ``tensor`` in place with its value on process ``src``."""
-    if is_distributed():
-        dist.broadcast(tensor, src=src)
-    return tensor
-
-
 class _AllReduceSum(torch.autograd.Function):
     """Sum over processes; its gradient is the sum over processes of the gradients (every process's loss
     depends on the sum)."""
@@ -111,14 +67,43 @@ class _AllGatherCat(torch.autograd.Function):
         return total[start : start + ctx.rows]
 
 
-def all_reduce_sum_autograd(tensor: Tensor) -> Tensor:
-    """:func:`all_reduce_sum` through which gradients flow (to every process's input)."""
-    return _AllReduceSum.apply(tensor) if is_distributed() else tensor
+def all_reduce_sum(tensor: Tensor) -> Tensor:
+    """Sum of ``tensor`` over processes (a new tensor; the input is left as it is).
+
+    Differentiable: the gradient reaching every process's input is the sum of all processes' gradients.
+    """
+    return _AllReduceSum.apply(tensor) if is_distributed() else tensor.clone()
 
 
-def all_gather_cat_autograd(tensor: Tensor) -> Tensor:
-    """:func:`all_gather_cat` through which gradients flow back to each process's own part."""
+def all_reduce_mean(tensor: Tensor) -> Tensor:
+    """Mean of ``tensor`` over processes."""
+    return all_reduce_sum(tensor) / world_size()
+
+
+@torch.no_grad()
+def all_reduce_max(tensor: Tensor) -> Tensor:
+    """Element-wise maximum of ``tensor`` over processes."""
+    if not is_distributed():
+        return tensor.clone()
+    out = tensor.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
+def all_gather_cat(tensor: Tensor) -> Tensor:
+    """Concatenate ``tensor`` (same shape on every process) along dim 0, in rank order.
+
+    Differentiable: each process's part receives the sum over processes of the gradients of that part.
+    """
     return _AllGatherCat.apply(tensor) if is_distributed() else tensor
+
+
+@torch.no_grad()
+def broadcast_(tensor: Tensor, src: int = 0) -> Tensor:
+    """Overwrite ``tensor`` in place with its value on process ``src``."""
+    if is_distributed():
+        dist.broadcast(tensor, src=src)
+    return tensor
 
 
 def ddp_without_buffer_sync(module: nn.Module, device_ids: list[int] | None = None) -> nn.Module:

@@ -30,8 +30,9 @@ class WeightGenerator(nn.Module):
     Every process holds the same vocabulary, so by default (as in the official code) every process runs the
     generator over all ``K`` words. With ``split=True`` and several processes, process ``r`` runs it over its
     ``K / world`` contiguous words only; the batch norm's statistics are summed over processes and the
-    outputs gathered in rank order, both through autograd-aware collectives, so the weights, their gradients
-    (after DDP's averaging) and the batch norm's running statistics equal the unsplit computation's: each
+    outputs gathered in rank order, both through differentiable collectives (``obow.distributed``), so the
+    weights, their gradients (after DDP's averaging) and the batch norm's running statistics equal the
+    unsplit computation's: each
     process does ``1 / world`` of the generator's work, plus three collectives.
     """
 
@@ -54,15 +55,15 @@ class WeightGenerator(nn.Module):
         mine = words.chunk(world)[D.rank()]
         hidden = F.relu(self._split_batch_norm(self.fc1(F.normalize(mine, dim=1)), k))
         out = F.normalize(self.fc2(hidden), dim=1)
-        return D.all_gather_cat_autograd(out)
+        return D.all_gather_cat(out)
 
     def _split_batch_norm(self, x: Tensor, total: int) -> Tensor:
         """``self.bn`` over the ``total`` rows held by all processes together (``x``: this process's rows)."""
         bn = self.bn
         if not bn.training:
             return bn(x)
-        mean = D.all_reduce_sum_autograd(x.sum(dim=0)) / total
-        var = D.all_reduce_sum_autograd((x - mean).pow(2).sum(dim=0)) / total  # biased, as batch norm normalises
+        mean = D.all_reduce_sum(x.sum(dim=0)) / total
+        var = D.all_reduce_sum((x - mean).pow(2).sum(dim=0)) / total  # biased, as batch norm normalises
         with torch.no_grad():
             bn.num_batches_tracked.add_(1)
             m = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)

@@ -233,7 +233,6 @@ def pretrain(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
                                 f"checkpoint is {ckpt_path} (lower optim.lr or use train.precision=fp32)"
                             )
                         logger.step(epoch, iteration, lr, metrics, len(skipped), cfg.data.batch_size)
-                        logger.last_shown = (metrics["loss"], lr)
                         progress.show(metrics["loss"], lr)
                     progress.update(cfg.data.batch_size)
                     if cfg.train.checkpoint_every and iteration % cfg.train.checkpoint_every == 0:
@@ -509,6 +508,7 @@ class RunLogger:
     def step(self, epoch: int, iteration: int, lr: float, metrics: dict[str, float], skipped: int, batch: int) -> None:
         if not self.enabled:
             return
+        self.last_shown = (metrics["loss"], lr)
         now = time.time()
         rate = None
         if self.last_iteration is not None and iteration > self.last_iteration:

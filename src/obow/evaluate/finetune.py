@@ -26,7 +26,7 @@ from torchvision.transforms import v2
 
 from obow.backbones import ResNetBackbone
 from obow.data import ImageDataset, collate
-from obow.evaluate.knn import topk_accuracy
+from obow.evaluate.knn import top1_top5
 from obow.evaluate.linear import linear_head
 from obow.transforms import eval_transform
 from obow.validation import check_positive
@@ -187,9 +187,7 @@ def finetune(
         scores, labels = _predict(backbone, head, test_dataset, batch_size, device, num_workers, skipped)
     if skipped:
         warnings.warn(f"{len(skipped)} unreadable images were skipped during fine-tuning", stacklevel=2)
-    result: dict[str, Any] = {"top1": topk_accuracy(scores, labels, 1)}
-    if num_classes >= 5:
-        result["top5"] = topk_accuracy(scores, labels, 5)
+    result: dict[str, Any] = top1_top5(scores, labels)
     result.update(
         epochs=epochs,
         head_lr=head_lr,

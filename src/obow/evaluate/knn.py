@@ -117,6 +117,14 @@ def knn_accuracy(
     return topk_accuracy(scores, test_labels, topk)
 
 
+def top1_top5(scores: Tensor, labels: Tensor) -> dict[str, float]:
+    """``{"top1": ..., "top5": ...}`` in percent; ``top5`` only when there are at least 5 classes."""
+    result = {"top1": topk_accuracy(scores, labels, 1)}
+    if scores.shape[1] >= 5:
+        result["top5"] = topk_accuracy(scores, labels, 5)
+    return result
+
+
 def topk_accuracy(scores: Tensor, labels: Tensor, topk: int = 1) -> float:
     """Percentage of rows of ``scores`` whose ``topk`` highest entries include the row's label."""
     if scores.shape[0] != labels.shape[0]:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from obow.evaluate.knn import topk_accuracy
+from obow.evaluate.knn import top1_top5
 from obow.validation import check_choice, check_positive
 
 SCHEDULES = ("step", "cosine")
@@ -187,9 +187,7 @@ def train_linear_probe(
     head.eval()
     with torch.no_grad():
         scores = torch.cat([head(chunk.to(device)).cpu() for chunk in test_features.float().split(4096)])
-    result = {"top1": topk_accuracy(scores, test_labels, 1)}
-    if num_classes >= 5:
-        result["top5"] = topk_accuracy(scores, test_labels, 5)
+    result: dict = top1_top5(scores, test_labels)
     result.update(
         epochs=epochs,
         lr=lr,

@@ -237,3 +237,33 @@ def test_recipes_command_lists_and_prints():
     proc = run_cli("recipes")
     assert "imagenet_resnet50_full" in proc.stdout and "cifar10_resnet18" in proc.stdout
     assert "num_words: 8192" in run_cli("recipes", "imagenet_resnet50_full").stdout
+
+
+@pytest.mark.parametrize(
+    ("settings", "rtol"),
+    [
+        (("train.precision=bf16", "train.channels_last=true"), 0.05),
+        (("train.precision=fp16",), 0.01),
+        (("train.compile=true",), 1e-4),  # compiling on the CPU takes about two minutes
+    ],
+    ids=["bf16_channels_last", "fp16", "compile"],
+)
+def test_precision_memory_format_and_compile_switches_train(tmp_path, recipe, settings, rtol):
+    """Each switch trains through the real command line, and the first step's loss (same seed, same batch)
+    is the float32 one up to the switch's rounding: bf16 keeps 8 bits of mantissa, fp16 11, and a compiled
+    network computes the same maths. fp16 also keeps its gradient scaler's state in the checkpoint."""
+    data = write_images(tmp_path / "data")
+    losses = {}
+    for name, extra in (("fp32", ()), ("switch", settings)):
+        out = tmp_path / name
+        run_cli("pretrain", "--config", recipe, "--data", data, "--out", out, "optim.epochs=1", *extra)
+        steps = [r for r in read_log(out) if r.get("type") != "epoch"]
+        assert [r["iteration"] for r in steps] == [1, 2, 3]
+        assert all(np.isfinite(r["loss"]) for r in steps)
+        losses[name] = steps[0]["loss"]
+    assert losses["switch"] == pytest.approx(losses["fp32"], rel=rtol)
+    ckpt = load_checkpoint(tmp_path / "switch" / "checkpoint.pt")
+    if "train.precision=fp16" in settings:
+        assert ckpt["scaler"]["scale"] > 0
+    else:
+        assert not ckpt.get("scaler")

@@ -263,3 +263,27 @@ def test_backward_group_by_group_gives_the_same_gradients(weighting):
         torch.testing.assert_close(b.grad / 4.0, a.grad, rtol=1e-4, atol=1e-6, msg=name)
     for name, value in whole.state_dict().items():
         torch.testing.assert_close(split.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_group_by_group_loss_value_survives_an_overflowed_gradient():
+    """With fp16, a group's backward can overflow to inf; the gradient scaler then skips the step. The reported
+    loss must stay the loss (not inf - inf = NaN, which would stop the run) and the overflow must reach the
+    generator's gradient, so that the scaler sees it."""
+    torch.manual_seed(0)
+    model = tiny_model().train()
+    reference = copy.deepcopy(model)
+    teacher, views = tiny_batch()
+    torch.manual_seed(5)
+    expected = [float(reference(teacher, views, group=g).metrics["loss"]) for g in range(len(views))]
+    torch.manual_seed(5)
+    first = model(teacher, views, group=0)
+    first.loss.backward()
+    for leaf in model._pending["leaf_weights"]:
+        leaf.grad.fill_(float("inf"))
+    last = model(teacher, views, group=len(views) - 1)
+    last.loss.backward()
+    np.testing.assert_allclose(
+        [float(first.metrics["loss"]), float(last.metrics["loss"])], [expected[0], expected[-1]], rtol=1e-6
+    )
+    generator_grads = [p.grad for p in model.predictor.parameters() if p.grad is not None]
+    assert generator_grads and not all(torch.isfinite(g).all() for g in generator_grads)

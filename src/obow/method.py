@@ -198,15 +198,17 @@ class OBoW(nn.Module):
             with_graph = group is None or g == len(groups) - 1
             weights = state["weights"] if with_graph else state["leaf_weights"]
             loss = loss + self._group_loss(g, groups, weights, state["bows"], metrics)
+        metrics["loss"] = loss.detach()
         if group is not None and group == len(groups) - 1:
             # dL/dG(V) accumulated by the earlier groups' backward passes, added through a surrogate that leaves
-            # the loss value unchanged: this backward pass then carries the generator's whole gradient.
+            # the loss value unchanged: this backward pass then carries the generator's whole gradient. (The
+            # metric is taken before: with fp16, an overflowed earlier gradient makes the surrogate inf, and
+            # inf - inf would report a NaN loss for a step that the gradient scaler simply skips.)
             earlier = [w.grad for w in state["leaf_weights"]]
             if all(e is not None for e in earlier):
                 surrogate = sum((w * (e / grad_scale)).sum() for w, e in zip(state["weights"], earlier, strict=True))
                 loss = loss + surrogate - surrogate.detach()
             self._pending = None
-        metrics["loss"] = loss.detach()
         return OBoWOutput(loss=loss, metrics=metrics, targets={k: b.targets for k, b in state["bows"].items()})
 
     def _check_views(self, teacher_images: Tensor, student_views: Sequence[Tensor]) -> list[Tensor]:

@@ -1,10 +1,11 @@
 import json
 
+import numpy as np
 import torch
 from PIL import Image
 
 from obow.config import load_config
-from obow.demo import run_demo, write_digits
+from obow.demo import blend_on_background, run_demo, write_digits
 from obow.evaluate.features import load_backbone
 from obow.method import OBoW
 
@@ -19,9 +20,33 @@ def test_write_digits_makes_a_stratified_class_folder_split(tmp_path):
         assert abs(counts["train"][digit] - counts["val"][digit]) <= 1
     image = Image.open(next((train / "3").glob("*.png")))
     assert image.size == (32, 32) and image.mode == "RGB"
+    pixels = np.asarray(image).astype(int)
+    assert np.abs(pixels[..., 0] - pixels[..., 1]).mean() > 3  # coloured photograph backgrounds, not grey digits
     before = sorted(p.stat().st_mtime_ns for p in train.rglob("*.png"))
     write_digits(tmp_path / "data")  # already written: kept as it is
     assert sorted(p.stat().st_mtime_ns for p in train.rglob("*.png")) == before
+
+
+def test_blend_is_the_absolute_difference_per_channel():
+    glyph = np.array([[0, 255], [100, 40]], dtype=np.uint8)
+    background = np.array([[[10, 20, 30], [255, 0, 128]], [[100, 90, 250], [0, 40, 41]]], dtype=np.uint8)
+    expected = np.array([[[10, 20, 30], [0, 255, 127]], [[0, 10, 150], [40, 0, 1]]], dtype=np.uint8)
+    np.testing.assert_array_equal(blend_on_background(glyph, background), expected)
+
+
+def test_digits_on_backgrounds_are_reproducible(tmp_path):
+    a_train, _ = write_digits(tmp_path / "a", seed=0)
+    b_train, _ = write_digits(tmp_path / "b", seed=0)
+    c_train, _ = write_digits(tmp_path / "c", seed=1)
+    a_files = sorted(p.relative_to(a_train) for p in a_train.rglob("*.png"))
+    assert a_files == sorted(p.relative_to(b_train) for p in b_train.rglob("*.png"))
+    for rel in a_files[:50]:
+        np.testing.assert_array_equal(np.asarray(Image.open(a_train / rel)), np.asarray(Image.open(b_train / rel)))
+    shared = [rel for rel in a_files if (c_train / rel).exists()]
+    assert any(
+        not np.array_equal(np.asarray(Image.open(a_train / rel)), np.asarray(Image.open(c_train / rel)))
+        for rel in shared
+    )
 
 
 def test_random_init_baseline_is_the_pretraining_runs_starting_network():
@@ -30,7 +55,13 @@ def test_random_init_baseline_is_the_pretraining_runs_starting_network():
     cfg = load_config("demo")
     torch.manual_seed(cfg.train.seed)
     start = OBoW.from_config(cfg.model, total_iterations=10).student.state_dict()
-    baseline, info = load_backbone(random_init=True, arch=cfg.model.arch, stem=cfg.model.stem, seed=cfg.train.seed)
+    baseline, info = load_backbone(
+        random_init=True,
+        arch=cfg.model.arch,
+        stem=cfg.model.stem,
+        seed=cfg.train.seed,
+        arch_options=cfg.model.arch_options,
+    )
     assert info["kind"] == "random_init"
     for name, value in start.items():
         torch.testing.assert_close(baseline.state_dict()[name], value, rtol=0, atol=0, msg=name)

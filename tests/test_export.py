@@ -13,10 +13,10 @@ from obow.export import FC_NOTE, detectron2_key, export_backbone
 from obow.method import OBoW
 
 
-def make_checkpoint(path, arch="resnet18", stem="cifar", size=32, epoch=3, iteration=30):
+def make_checkpoint(path, arch="resnet18", stem="cifar", size=32, epoch=3, iteration=30, options=None):
     """A pretraining checkpoint of an untrained OBoW whose student differs from its teacher."""
     cfg = Config(
-        model=ModelConfig(arch=arch, stem=stem, levels=("conv4",), num_words=16, border=0),
+        model=ModelConfig(arch=arch, stem=stem, arch_options=options or {}, levels=("conv4",), num_words=16, border=0),
         views=ViewsConfig(teacher_resize=size, teacher_size=size, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25)),
         data=DataConfig(batch_size=16),
     )

@@ -5,7 +5,7 @@
     obow eval fewshot  --checkpoint runs/x/checkpoint.pt --data DIR [--ways 50] [--shots 1 5] [--episodes 200]
     obow eval finetune --checkpoint runs/x/checkpoint.pt --data DIR [--fraction 0.01|0.1]
     obow eval knn --random-init --arch resnet18 --data DIR --out random.json     # the baseline
-    obow export --checkpoint runs/x/checkpoint.pt --out backbone.pth --format torchvision|detectron2
+    obow export --checkpoint runs/x/checkpoint.pt --out backbone.pth --format torchvision|timm|detectron2
 
 ``DIR`` holds ``train/`` and ``val/`` (or ``test/``) class folders. kNN, linear and fine-tuning train on
 ``train/`` and test on ``val/``; few-shot episodes are drawn from ``val/`` (the paper draws them from the
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from obow import __version__
-from obow.backbones import ARCHITECTURES, STEMS
+from obow.backbones import STEMS
 from obow.data import ImageDataset, ImageList
 from obow.evaluate.features import (
     NETWORKS,
@@ -107,7 +107,9 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     )
     p.add_argument("--checkpoint", required=True, help="a pretraining checkpoint (obow pretrain)")
     p.add_argument("--out", required=True, help="output file")
-    p.add_argument("--format", choices=FORMATS, default="torchvision", help="default torchvision")
+    p.add_argument(
+        "--format", choices=FORMATS, default=None, help="default: timm for timm: backbones, else torchvision"
+    )
     p.add_argument("--network", choices=NETWORKS, default="student", help="default student")
     p.set_defaults(func=run_export)
     return p
@@ -120,7 +122,9 @@ def _common_options() -> argparse.ArgumentParser:
     src.add_argument("--network", choices=NETWORKS, help="which network of the checkpoint (default student)")
     src.add_argument("--backbone", help="a file written by `obow export --format torchvision` instead")
     src.add_argument("--random-init", action="store_true", help="a randomly initialised network (the baseline)")
-    src.add_argument("--arch", choices=ARCHITECTURES, help="architecture for --random-init without a checkpoint")
+    src.add_argument(
+        "--arch", help="architecture for --random-init without a checkpoint (resnet18, timm:NAME, torchvision:NAME)"
+    )
     src.add_argument("--stem", choices=STEMS, help="stem for --random-init without a checkpoint (torchvision)")
     run = common.add_argument_group("data and run")
     run.add_argument("--data", required=True, help="folder holding train/ and val/ (or test/) class folders")

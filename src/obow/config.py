@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from obow.backbones import ARCHITECTURES, LEVEL_TO_STAGE, STEMS, feature_map_size
+from obow.backbones import LEVEL_TO_STAGE, STEMS, level_map_size, parse_arch
 from obow.bow import ASSIGNMENTS, POOLINGS
 from obow.validation import check_choice, check_positive, check_unit_interval
 from obow.vocabulary import QUEUE_SAMPLINGS
@@ -45,6 +45,7 @@ class ModelConfig:
     """
 
     arch: str = "resnet50"
+    arch_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     stem: str = "torchvision"
     levels: tuple[str, ...] = ("conv4", "conv5")
     num_words: int = 8192
@@ -69,7 +70,15 @@ class ModelConfig:
     loss_weighting: str = "group_sum"
 
     def __post_init__(self) -> None:
-        check_choice("model.arch", self.arch, ARCHITECTURES)
+        try:
+            source, _ = parse_arch(self.arch, "model.arch")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if self.arch_options and source == "resnet":
+            raise ConfigError(
+                f"model.arch_options are constructor arguments of timm: and torchvision: models; the plain "
+                f"{self.arch} takes none (use e.g. model.arch=timm:{self.arch} to pass them)"
+            )
         check_choice("model.stem", self.stem, STEMS)
         if not self.levels:
             raise ConfigError("model.levels must name at least one level, e.g. [conv5] or [conv4, conv5]")
@@ -261,7 +270,10 @@ class Config:
     def __post_init__(self) -> None:
         m, v = self.model, self.views
         for level in m.levels:
-            side = feature_map_size(v.teacher_size, level, m.stem) - 2 * m.border
+            try:
+                side = level_map_size(m.arch, v.teacher_size, level, m.stem, m.arch_options) - 2 * m.border
+            except ValueError as err:
+                raise ConfigError(f"model.arch={m.arch!r}, model.stem={m.stem!r}: {err}") from None
             if side < MIN_BOW_MAP:
                 raise ConfigError(
                     f"the {level} BoW map is {max(side, 0)}x{max(side, 0)} after border removal "
@@ -316,6 +328,10 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
             return None
         (inner,) = [o for o in options if o is not type(None)]
         return _coerce(name, inner, value)
+    if hint is dict or origin is dict:
+        if isinstance(value, Mapping):
+            return dict(value)
+        raise ConfigError(f"{name} must be a mapping of keys to values, got {value!r}")
     if origin is tuple:
         item_type = typing.get_args(hint)[0]
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):

@@ -7,6 +7,11 @@
   classifier, so the ``fc`` entries (needed for strict loading) are torchvision's own initialisation of that
   architecture under ``torch.manual_seed(0)``: untrained. (The official export fills ``fc`` with the BoW
   weight generator's output instead, official notes 5.3; those 8192 "classes" are of no use downstream.)
+* ``--format timm`` (for ``timm:<name>`` backbones): a ``state_dict`` that loads with ``strict=True`` into
+  ``timm.create_model(name, **arch_options)``; ``--format torchvision`` does the same for
+  ``torchvision:<name>`` backbones and ``torchvision.models.get_model(name)``. The parts of those models that
+  OBoW does not train (the classifier, and e.g. MobileNetV3's ``conv_head``) are the library's own
+  initialisation under ``torch.manual_seed(0)``, listed in the sidecar as untrained.
 * ``--format detectron2``: a pickle ``{"model": {name: ndarray}, "__author__": "obow",
   "matching_heuristics": True}`` with Detectron2's ResNet names, for the VOC/COCO detection transfer of
   paper section 4.3 (R50-C4; the keys follow the renaming of MoCo's detection conversion script).
@@ -31,12 +36,12 @@ import torchvision
 from torch import Tensor
 
 from obow import __version__
-from obow.backbones import ResNetBackbone
+from obow.backbones import ResNetBackbone, parse_arch
 from obow.checkpoint import save_atomic
 from obow.evaluate.features import load_backbone
 from obow.validation import check_choice
 
-FORMATS = ("torchvision", "detectron2")
+FORMATS = ("torchvision", "timm", "detectron2")
 FC_SEED = 0
 FC_NOTE = f"untrained, torchvision init, seed {FC_SEED}"
 STEM_NOTES = {
@@ -49,6 +54,14 @@ STEM_NOTES = {
         "no_maxpool stem: the network was trained without the 3x3 max-pool after conv1; the weights load into a "
         "standard torchvision model, but set model.maxpool = torch.nn.Identity() to compute the same features"
     ),
+}
+TIMM_STEM_NOTES = {
+    "cifar": (
+        "CIFAR stem: the stem's first strided convolution was trained with stride 1 and without the stem's "
+        "max-pool; the weights load as they are, but set that convolution's stride to 1 and the max-pool to "
+        "torch.nn.Identity() to compute the same features"
+    ),
+    "no_maxpool": "no_maxpool stem: set the stem's max-pool to torch.nn.Identity() to compute the same features",
 }
 #: ``MODEL.RESNETS`` settings Detectron2 needs to build the same trunk as torchvision.
 _DETECTRON2_RESNETS = {
@@ -67,13 +80,23 @@ def export_backbone(
     out_path: str | Path,
     *,
     network: str = "student",
-    fmt: str = "torchvision",
+    fmt: str | None = None,
 ) -> dict[str, Any]:
     """Write the ``network`` backbone of a pretraining checkpoint as ``fmt``; returns the metadata written
     to ``out_path + ".json"``. A non-torchvision stem gives a warning (torchvision) or an error (detectron2)."""
-    check_choice("format", fmt, FORMATS)
+    if fmt is not None:
+        check_choice("format", fmt, FORMATS)
     out_path = Path(out_path)
     backbone, info = load_backbone(checkpoint_path, network=network)
+    source = parse_arch(backbone.arch)[0]
+    fmt = fmt or ("timm" if source == "timm" else "torchvision")
+    if fmt == "timm" and source != "timm" or source == "timm" and fmt != "timm":
+        raise ValueError(
+            f"checkpoint {str(checkpoint_path)!r} holds a {backbone.arch} backbone: --format timm is for timm: "
+            f"backbones only, and they export only to it"
+        )
+    if fmt == "detectron2" and source != "resnet":
+        raise ValueError(f"--format detectron2 takes torchvision ResNets only, not {backbone.arch}")
     if fmt == "detectron2" and backbone.stem != "torchvision":
         raise ValueError(
             f"checkpoint {str(checkpoint_path)!r} uses the {backbone.stem} stem; Detectron2's ResNet stem is the "
@@ -91,7 +114,20 @@ def export_backbone(
         "views": info["views"],
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
     }
-    if fmt == "torchvision":
+    if source != "resnet":
+        state, untrained = library_state_dict(backbone)
+        save_atomic(state, out_path)
+        name = backbone.arch.partition(":")[2]
+        kwargs = "".join(f", {k}={v!r}" for k, v in backbone.options.items())
+        loader = (
+            f"timm.create_model({name!r}{kwargs})"
+            if source == "timm"
+            else f"torchvision.models.get_model({name!r}{kwargs})"
+        )
+        meta["arch_options"] = backbone.options
+        meta["untrained_keys"] = untrained
+        meta["usage"] = f"model = {loader}; model.load_state_dict(torch.load(path))"
+    elif fmt == "torchvision":
         save_atomic(torchvision_state_dict(backbone), out_path)
         meta["fc"] = FC_NOTE
         meta["usage"] = f"model = torchvision.models.{backbone.arch}(); model.load_state_dict(torch.load(path))"
@@ -101,11 +137,24 @@ def export_backbone(
             pickle.dump(detectron2_checkpoint(backbone.state_dict()), f)
         meta["fc"] = "not exported (Detectron2 builds its own heads)"
         meta["detectron2_config"] = detectron2_config(backbone.arch, info["views"])
-    if backbone.stem in STEM_NOTES:
-        meta["stem_note"] = STEM_NOTES[backbone.stem]
-        warnings.warn(STEM_NOTES[backbone.stem], stacklevel=2)
+    note = STEM_NOTES.get(backbone.stem) if source == "resnet" else TIMM_STEM_NOTES.get(backbone.stem)
+    if note:
+        meta["stem_note"] = note
+        warnings.warn(note, stacklevel=2)
     Path(f"{out_path}.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def library_state_dict(backbone: torch.nn.Module) -> tuple[dict[str, Tensor], list[str]]:
+    """A timm / torchvision backbone's weights completed into the whole library model's ``state_dict``
+    (strict loading), and the names of the entries that OBoW did not train (seeded fresh initialisation)."""
+    state = {k: v.detach().clone() for k, v in backbone.full_model(seed=FC_SEED).state_dict().items()}
+    trained = backbone.export_state_dict()
+    for key, value in trained.items():
+        if key not in state or state[key].shape != value.shape:
+            raise ValueError(f"{backbone.arch}: backbone weight {key} has no counterpart in the library's model")
+        state[key] = value
+    return state, sorted(k for k in state if k not in trained)
 
 
 def torchvision_state_dict(backbone: ResNetBackbone) -> dict[str, Tensor]:

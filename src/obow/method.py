@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from obow.backbones import ResNetBackbone
+from obow.backbones import build_backbone
 from obow.bow import BoWExtractor, BoWTargets, at_least_float32
 from obow.config import LOSS_WEIGHTINGS, MOMENTUM_SCHEDULES, ModelConfig
+from obow.diagnostics import feature_diagnostics
 from obow.predictor import BoWPredictor, DynamicBoWPredictor, FixedBoWPredictor
 from obow.schedules import teacher_momentum
 from obow.validation import check_choice, check_unit_interval
@@ -71,7 +72,7 @@ class OBoW(nn.Module):
 
     def __init__(
         self,
-        student: ResNetBackbone,
+        student: nn.Module,
         extractors: Mapping[str, BoWExtractor],
         predictor: BoWPredictor,
         *,
@@ -103,7 +104,7 @@ class OBoW(nn.Module):
     @classmethod
     def from_config(cls, cfg: ModelConfig, total_iterations: int) -> OBoW:
         """Assemble the model a :class:`~obow.config.ModelConfig` describes."""
-        student = ResNetBackbone(cfg.arch, cfg.stem)
+        student = build_backbone(cfg.arch, cfg.stem, cfg.arch_options)
         extractors = {}
         for level in cfg.levels:
             channels = student.level_channels[level]
@@ -251,6 +252,8 @@ class OBoW(nn.Module):
         views = groups[g]
         batch, n = views.shape[:2]
         features = self.student(views.flatten(0, 1)).pool5
+        if g == 0 and features.shape[0] > 1:  # collapse diagnostics, on the first group's views
+            metrics.update({f"student/{k}": v for k, v in feature_diagnostics(features).items()})
         logits = self.predictor(features, weights)
         level_losses = []
         for level, z in zip(self.levels, logits, strict=True):

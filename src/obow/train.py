@@ -35,6 +35,7 @@ from obow import distributed as D
 from obow.checkpoint import FORMAT, VERSION, load_checkpoint, save_atomic
 from obow.config import Config, save_config, to_dict
 from obow.data import EpochSampler, ImageDataset, ImageList, build_loader, scan_images
+from obow.diagnostics import feature_diagnostics
 from obow.evaluate.features import align_classes, eval_dataset, extract_features, scan_labelled
 from obow.evaluate.knn import knn_accuracy
 from obow.method import OBoW
@@ -59,6 +60,14 @@ RESUMABLE_CHANGES = {
     "train.knn_temperature",
     "train.progress_bar",
     "train.tensorboard",
+}
+
+
+#: Step metrics averaged over each epoch, and their names in the epoch record.
+EPOCH_MEANS = {
+    "loss": "loss",
+    "student/effective_rank": "effective_rank",
+    "student/mean_cosine": "mean_cosine",
 }
 
 
@@ -195,7 +204,8 @@ def pretrain(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
         try:
             for epoch in range(start_epoch, cfg.optim.epochs):
                 sampler.set_epoch(epoch, start_batch)
-                epoch_start, loss_sum, steps = time.time(), torch.zeros((), device=device), 0
+                epoch_start, steps = time.time(), 0
+                sums = {key: torch.zeros((), device=device) for key in EPOCH_MEANS}
                 progress = logger.progress(epoch, start_batch, iters_per_epoch, total_iters, iteration)
                 for batch_index, batch in enumerate(loader, start=start_batch):
                     lr = learning_rate(
@@ -219,7 +229,8 @@ def pretrain(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
                     scaler.update()
                     iteration += 1
                     steps += 1
-                    loss_sum += metrics_t["loss"]
+                    for key, total in sums.items():
+                        total += metrics_t.get(key, 0.0)
 
                     new_skipped = set(batch["skipped"]) - skipped
                     for path in sorted(new_skipped):
@@ -233,22 +244,21 @@ def pretrain(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
                                 f"checkpoint is {ckpt_path} (lower optim.lr or use train.precision=fp32)"
                             )
                         logger.step(epoch, iteration, lr, metrics, len(skipped), cfg.data.batch_size)
-                        progress.show(metrics["loss"], lr)
-                    progress.update(cfg.data.batch_size)
+                    progress.update(cfg.data.batch_size, metrics_t, lr)
                     if cfg.train.checkpoint_every and iteration % cfg.train.checkpoint_every == 0:
                         save(epoch, batch_index + 1, iteration)
                 progress.close()
 
-                mean_loss = float(D.all_reduce_mean(loss_sum / max(steps, 1)))
+                means = {key: float(D.all_reduce_mean(total / max(steps, 1))) for key, total in sums.items()}
                 record = {
                     "epoch": epoch + 1,
                     "iteration": iteration,
-                    "loss": mean_loss,
+                    **{name: means[key] for key, name in EPOCH_MEANS.items()},
                     "epoch_time_s": time.time() - epoch_start,
                     "skipped_images": len(skipped),
                 }
                 if monitor is not None and monitor.due(epoch + 1):
-                    record["knn_top1"] = monitor(model.student)
+                    record.update(monitor(model.student))
                 if D.is_distributed():
                     dist.barrier()  # the other processes wait for the main one's monitor
                 history.append(record)
@@ -292,12 +302,16 @@ class KNNMonitor:
     def due(self, epoch: int) -> bool:
         return self.enabled and epoch % self.cfg.train.knn_every == 0
 
-    def __call__(self, backbone: nn.Module) -> float:
+    def __call__(self, backbone: nn.Module) -> dict[str, float]:
+        """``knn_top1`` and the collapse diagnostics of the validation features (``knn_effective_rank``,
+        ``knn_mean_cosine``)."""
         kwargs = {"batch_size": 256, "device": self.device, "num_workers": self.cfg.data.num_workers}
         train_x, train_y = extract_features(backbone, self.train_set, **kwargs)
         val_x, val_y = extract_features(backbone, self.val_set, **kwargs)
         k = min(self.cfg.train.knn_k, len(train_y))
-        return knn_accuracy(train_x, train_y, val_x, val_y, k=k, temperature=self.cfg.train.knn_temperature)
+        top1 = knn_accuracy(train_x, train_y, val_x, val_y, k=k, temperature=self.cfg.train.knn_temperature)
+        diagnostics = feature_diagnostics(val_x) if len(val_x) > 1 else {}
+        return {"knn_top1": top1, **{f"knn_{key}": float(v) for key, v in diagnostics.items()}}
 
 
 def truncate_log(path: Path, iteration: int) -> None:
@@ -498,7 +512,6 @@ class RunLogger:
             self.tb = SummaryWriter(str(out / "tensorboard"))
         self.last_time = time.time()
         self.last_iteration: int | None = None
-        self.last_shown: tuple[float, float] | None = None
 
     def write(self, record: dict[str, Any]) -> None:
         if self.jsonl is not None:
@@ -508,7 +521,6 @@ class RunLogger:
     def step(self, epoch: int, iteration: int, lr: float, metrics: dict[str, float], skipped: int, batch: int) -> None:
         if not self.enabled:
             return
-        self.last_shown = (metrics["loss"], lr)
         now = time.time()
         rate = None
         if self.last_iteration is not None and iteration > self.last_iteration:
@@ -531,19 +543,17 @@ class RunLogger:
             for key, value in record.items():
                 if key not in ("epoch", "iteration"):
                     self.tb.add_scalar(f"epoch/{key}", value, record["epoch"])
-        log.info("epoch %d: %s", record["epoch"], ", ".join(f"{k} {v:.4g}" for k, v in record.items() if k != "epoch"))
+        shown = {("mean step loss" if k == "loss" else k): v for k, v in record.items() if k != "epoch"}
+        log.info("epoch %d: %s", record["epoch"], ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
 
     def progress(self, epoch: int, start: int, per_epoch: int, total: int, iteration: int) -> Progress:
-        bar = Progress(
+        return Progress(
             enabled=self.enabled and self.cfg.train.progress_bar,
             desc=f"epoch {epoch + 1}/{self.cfg.optim.epochs}",
             start=start,
             per_epoch=per_epoch,
             remaining_total=total - iteration,
         )
-        if self.last_shown is not None:  # carry the last loss and learning rate over to the new epoch's bar
-            bar.show(*self.last_shown)
-        return bar
 
     def close(self) -> None:
         if self.jsonl is not None:
@@ -555,31 +565,31 @@ class RunLogger:
 
 
 class Progress:
-    """A tqdm bar over an epoch's batches: loss, learning rate, images/s and time left for the whole run."""
+    """A tqdm bar over an epoch's batches: the step's loss (summed over view groups, as optimised), the
+    effective rank of the student's features (collapse shows as a falling rank), learning rate, images/s and
+    time left for the whole run. The epoch line printed after it gives the epoch's mean step loss."""
 
     def __init__(self, *, enabled: bool, desc: str, start: int, per_epoch: int, remaining_total: int) -> None:
         self.bar = None
         self.remaining = remaining_total
         self.started = time.time()
         self.steps = 0
-        self.loss, self.lr = float("nan"), float("nan")
         if enabled:
             from tqdm import tqdm
 
             self.bar = tqdm(total=per_epoch, initial=start, desc=desc, dynamic_ncols=True, leave=True)
 
-    def show(self, loss: float, lr: float) -> None:
-        """Refresh the loss and learning rate shown (at logging steps, to avoid a device sync every step)."""
-        self.loss, self.lr = loss, lr
-
-    def update(self, batch: int) -> None:
+    def update(self, batch: int, metrics: dict[str, torch.Tensor], lr: float) -> None:
         self.steps += 1
         if self.bar is None:
             return
         per_step = (time.time() - self.started) / self.steps
         left = max(self.remaining - self.steps, 0) * per_step
+        rank = metrics.get("student/effective_rank")
+        rank_text = f" rank {float(rank):.1f}" if rank is not None else ""
         self.bar.set_postfix_str(
-            f"loss {self.loss:.3f} lr {self.lr:.3g} img/s {batch / per_step:.1f} left {format_seconds(left)}",
+            f"step loss {float(metrics['loss']):.3f}{rank_text} lr {lr:.3g} img/s {batch / per_step:.1f} "
+            f"left {format_seconds(left)}",
             refresh=False,
         )
         self.bar.update(1)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from obow.backbones import STEMS, ResNetBackbone
+from obow.backbones import STEMS, ResNetBackbone, build_backbone, parse_arch
 from obow.checkpoint import load_checkpoint
 from obow.config import Config, ViewsConfig, from_dict
 from obow.data import EpochSampler, ImageDataset, ImageList, build_loader, scan_images
@@ -44,7 +44,8 @@ def load_backbone(
     arch: str | None = None,
     stem: str | None = None,
     seed: int = 0,
-) -> tuple[ResNetBackbone, dict[str, Any]]:
+    arch_options: dict[str, Any] | None = None,
+) -> tuple[torch.nn.Module, dict[str, Any]]:
     """A :class:`~obow.backbones.ResNetBackbone` and a description of where its weights came from.
 
     Give a pretraining ``checkpoint`` (``network`` picks the student or the EMA teacher), or an exported
@@ -76,11 +77,13 @@ def load_backbone(
             "path": str(checkpoint),
             "arch": cfg.model.arch,
             "stem": cfg.model.stem,
+            "arch_options": dict(cfg.model.arch_options),
             "views": views_dict(cfg.views),
         }
         if random_init:
-            return _random_backbone(cfg.model.arch, cfg.model.stem, seed), {**info, **_random_info(seed)}
-        backbone = ResNetBackbone(cfg.model.arch, cfg.model.stem)
+            backbone = _random_backbone(cfg.model.arch, cfg.model.stem, seed, cfg.model.arch_options)
+            return backbone, {**info, **_random_info(seed)}
+        backbone = build_backbone(cfg.model.arch, cfg.model.stem, cfg.model.arch_options)
         _load_weights(backbone, network_state(ckpt["model"], network, what), f"{what} ({network})")
         info.update(kind="checkpoint", network=network, epoch=ckpt.get("epoch"), iteration=ckpt.get("iteration"))
         return backbone, info
@@ -91,8 +94,8 @@ def load_backbone(
     if arch is None:
         raise ValueError("a random initialisation without a checkpoint needs an architecture: give arch (--arch)")
     stem = stem or "torchvision"
-    info = {"path": None, "arch": arch, "stem": stem, "views": None}
-    return _random_backbone(arch, stem, seed), {**info, **_random_info(seed)}
+    info = {"path": None, "arch": arch, "stem": stem, "arch_options": dict(arch_options or {}), "views": None}
+    return _random_backbone(arch, stem, seed, arch_options), {**info, **_random_info(seed)}
 
 
 def network_state(model_state: dict[str, Tensor], network: str, what: str = "the checkpoint") -> dict[str, Tensor]:
@@ -114,11 +117,11 @@ def _random_info(seed: int) -> dict[str, Any]:
     return {"kind": "random_init", "network": None, "epoch": None, "iteration": None, "seed": seed}
 
 
-def _random_backbone(arch: str, stem: str, seed: int) -> ResNetBackbone:
+def _random_backbone(arch: str, stem: str, seed: int, options: dict[str, Any] | None = None) -> torch.nn.Module:
     # fork_rng: the seed fixes this network without reseeding the caller's generator
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return ResNetBackbone(arch, stem)
+        return build_backbone(arch, stem, options)
 
 
 def _check_expected(arch: str | None, stem: str | None, found_arch: str, found_stem: str, what: str) -> None:
@@ -134,7 +137,7 @@ def _check_expected(arch: str | None, stem: str | None, found_arch: str, found_s
         )
 
 
-def _load_exported(path: Path, arch: str | None, stem: str | None) -> tuple[ResNetBackbone, dict[str, Any]]:
+def _load_exported(path: Path, arch: str | None, stem: str | None) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Read an ``obow export --format torchvision`` file (or a torchvision ResNet ``state_dict``)."""
     if not path.is_file():
         raise ValueError(f"backbone file {str(path)!r} does not exist")
@@ -147,10 +150,19 @@ def _load_exported(path: Path, arch: str | None, stem: str | None) -> tuple[ResN
         ) from None
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
         raise ValueError(f"backbone file {str(path)!r} does not hold a state_dict (a mapping of names to tensors)")
-    state = {k: v for k, v in state.items() if not k.startswith("fc.")}
     meta_path = Path(f"{path}.json")
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     what = f"backbone file {str(path)!r}"
+    if meta.get("arch") and parse_arch(meta["arch"])[0] != "resnet":
+        found_arch, found_stem = meta["arch"], meta.get("stem", "torchvision")
+        _check_expected(arch, stem, found_arch, found_stem, what)
+        backbone = build_backbone(found_arch, found_stem, meta.get("arch_options"))
+        backbone.load_export_state_dict(state)
+        keys = ("network", "epoch", "iteration", "views", "arch_options")
+        return backbone, {"kind": "exported", "path": str(path), "arch": found_arch, "stem": found_stem} | {
+            k: meta.get(k) for k in keys
+        }
+    state = {k: v for k, v in state.items() if not k.startswith("fc.")}
     guessed_arch, guessed_stem = guess_architecture(state)
     found_arch = meta.get("arch") or guessed_arch
     # without the sidecar, a 7x7 conv1 cannot tell the torchvision stem from no_maxpool: trust --stem if given
@@ -295,7 +307,7 @@ def views_from_dict(values: dict[str, Any] | None, resize: int | None = None, si
 
 @torch.no_grad()
 def extract_features(
-    backbone: ResNetBackbone,
+    backbone: torch.nn.Module,
     dataset: ImageDataset,
     *,
     batch_size: int = 256,

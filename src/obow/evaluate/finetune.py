@@ -24,7 +24,6 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset
 from torchvision.transforms import v2
 
-from obow.backbones import ResNetBackbone
 from obow.data import ImageDataset, collate
 from obow.evaluate.knn import top1_top5
 from obow.evaluate.linear import linear_head
@@ -107,7 +106,7 @@ def finetune_optimizer(
 
 
 def finetune(
-    backbone: ResNetBackbone,
+    backbone: torch.nn.Module,
     train_dataset: ImageDataset,
     test_dataset: ImageDataset,
     subset_indices: Sequence[int],

@@ -1,0 +1,210 @@
+"""Quality benchmark: does a budget-limited OBoW run give better features than the same network at random init?
+
+For every run given, it pretrains with the recipe (and overrides) on ``DATA/train`` (all of it or the first
+``--per-class`` images of each class), then measures, on the student's ``pool5`` features of the recipe's
+evaluation view (resize + centre crop, the teacher's view), for the pretrained network AND for the same
+architecture at its random initialisation (the run's own starting weights: same seed), with the same
+feature extraction:
+
+* weighted kNN, k=200, T=0.1 (the InstDisc / MoCo / lightly protocol): memory = the training images used for
+  pretraining, queries = ``DATA/test`` (or ``val``; all of it or ``--test-per-class`` per class);
+* a linear probe on the frozen features (non-affine batch norm + linear layer, the ``resnet18`` preset's SGD
+  settings: 50 epochs, lr 10 divided by 10 at 15/30/45, batch 256; the centre view only);
+* the collapse diagnostics of the test features: effective rank and mean pairwise cosine.
+
+It prints one table and writes ``<out>/quality.json``. Runs are resumable: a finished pretraining is reused.
+
+    python benchmarks/quality.py --data cifar10 --out runs/quality \\
+        --run "current cifar10_resnet18 optim.epochs=1" \\
+        --run "fast cifar10_fast" --per-class 500 --test-per-class 200
+
+Budgets: ``optim.epochs`` (an override) fixes the steps; ``--minutes M`` instead times a few steps of each
+run first and sets ``optim.epochs`` to what fits in M minutes (warm-up scaled with it). The wall time of the
+pretraining is measured and reported either way; on a shared machine it is longer than on an idle one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from obow.config import load_config
+from obow.data import scan_images
+from obow.diagnostics import feature_diagnostics
+from obow.evaluate.features import align_classes, eval_dataset, extract_features, load_backbone
+from obow.evaluate.knn import knn_accuracy
+from obow.evaluate.linear import preset_settings, train_linear_probe
+from obow.train import pretrain
+
+
+def parse_run(text: str) -> tuple[str, str, list[str]]:
+    parts = shlex.split(text)
+    if len(parts) < 2:
+        raise SystemExit(f"--run {text!r}: give 'NAME RECIPE [key=value ...]'")
+    return parts[0], parts[1], parts[2:]
+
+
+def test_folder(data: Path) -> Path:
+    for name in ("test", "val"):
+        if (data / name).is_dir():
+            return data / name
+    raise SystemExit(f"{data} has no test/ or val/ folder")
+
+
+def time_steps(cfg, steps: int = 6) -> float:
+    """Seconds per optimisation step of ``cfg`` (data loading included): the mean over the steps after the
+    first two, with the real loader, model and optimiser."""
+    from obow.data import EpochSampler, ImageDataset, build_loader
+    from obow.method import OBoW
+    from obow.train import build_optimizer, forward_backward, precision_context, to_device
+    from obow.transforms import OBoWViews
+
+    images = scan_images(cfg.data.path, "folders", cfg.data.images_per_class)
+    sampler = EpochSampler(len(images), cfg.data.batch_size, seed=cfg.train.seed)
+    loader = build_loader(
+        ImageDataset(images, OBoWViews(cfg.views)), sampler, cfg.data.batch_size, cfg.data.num_workers
+    )
+    model = OBoW.from_config(cfg.model, total_iterations=1000).train()
+    optimizer = build_optimizer(model, cfg)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    stamps = []
+    for i, batch in enumerate(loader):
+        teacher, views = to_device(batch["image"], torch.device("cpu"), cfg.train.channels_last)
+        optimizer.zero_grad(set_to_none=True)
+        forward_backward(model, teacher, views, scaler, precision_context("fp32", torch.device("cpu")), True)
+        optimizer.step()
+        stamps.append(time.time())
+        if i + 1 == steps:
+            break
+    deltas = [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]
+    return sum(deltas) / max(len(deltas), 1)
+
+
+def evaluate(backbone: torch.nn.Module, train_set, test_set, k: int, temperature: float) -> dict[str, float]:
+    train_x, train_y = extract_features(backbone, train_set, batch_size=256)
+    test_x, test_y = extract_features(backbone, test_set, batch_size=256)
+    k = min(k, len(train_y))
+    knn = knn_accuracy(train_x, train_y, test_x, test_y, k=k, temperature=temperature)
+    settings = preset_settings("resnet18")
+    probe = train_linear_probe(
+        [train_x],
+        train_y,
+        test_x,
+        test_y,
+        epochs=settings["epochs"],
+        lr=settings["lr"],
+        batch_size=settings["batch_size"],
+        weight_decay=settings["weight_decay"],
+        momentum=settings["momentum"],
+        schedule=settings["schedule"],
+        milestones=settings["milestones"],
+        gamma=settings["gamma"],
+        batch_norm=True,
+    )
+    diagnostics = {key: float(v) for key, v in feature_diagnostics(test_x).items()}
+    return {"knn": knn, "knn_k": k, "linear": probe["top1"], **diagnostics}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, type=Path, help="a folder with train/ and test/ (or val/)")
+    parser.add_argument("--out", default=Path("runs/quality"), type=Path)
+    parser.add_argument("--run", action="append", required=True, help="'NAME RECIPE [key=value ...]', repeatable")
+    parser.add_argument("--per-class", type=int, default=None, help="pretrain on the first N images per class")
+    parser.add_argument("--test-per-class", type=int, default=None, help="query with the first N test images")
+    parser.add_argument("--minutes", type=float, default=None, help="fit optim.epochs to this training time")
+    parser.add_argument("--k", type=int, default=200, help="kNN neighbours (default 200)")
+    parser.add_argument("--temperature", type=float, default=0.1, help="kNN temperature (default 0.1)")
+    args = parser.parse_args()
+
+    train_dir, test_dir = args.data / "train", test_folder(args.data)
+    rows = []
+    for text in args.run:
+        name, recipe, overrides = parse_run(text)
+        out = args.out / name
+        common = [f"data.path={train_dir}", "train.progress_bar=false"]
+        if args.per_class:
+            common.append(f"data.images_per_class={args.per_class}")
+        overrides = [*common, *overrides]
+        if args.minutes is not None and not (out / "checkpoint.pt").exists():
+            probe_cfg = load_config(recipe, overrides)
+            per_epoch = len(scan_images(train_dir, "folders", probe_cfg.data.images_per_class)) // (
+                probe_cfg.data.batch_size
+            )
+            seconds = time_steps(probe_cfg)
+            epochs = max(1, math.floor(args.minutes * 60 / (seconds * per_epoch)))
+            warmup = min(probe_cfg.optim.warmup_epochs, epochs / 2) if epochs > 1 else 0
+            overrides += [f"optim.epochs={epochs}", f"optim.warmup_epochs={warmup}"]
+            print(f"{name}: {seconds:.2f} s/step, {per_epoch} steps/epoch -> {epochs} epochs", flush=True)
+        cfg = load_config(recipe, overrides)
+        start = time.time()
+        result = pretrain(cfg, out)
+        wall = time.time() - start
+        timing = out / "quality_timing.json"  # the first (real) pretraining's wall time, kept across re-runs
+        if not timing.exists():
+            timing.write_text(json.dumps({"pretrain_seconds": wall}))
+        history = json.loads(timing.read_text())
+
+        train_images = scan_images(train_dir, "folders", cfg.data.images_per_class)
+        test_images = align_classes(train_images, scan_images(test_dir, "folders", args.test_per_class))
+        train_set, test_set = eval_dataset(train_images, cfg.views), eval_dataset(test_images, cfg.views)
+        random_net, _ = load_backbone(
+            random_init=True,
+            arch=cfg.model.arch,
+            stem=cfg.model.stem,
+            seed=cfg.train.seed,
+            arch_options=cfg.model.arch_options,
+        )
+        trained_net, _ = load_backbone(result["checkpoint"])
+        random_scores = evaluate(random_net, train_set, test_set, args.k, args.temperature)
+        trained_scores = evaluate(trained_net, train_set, test_set, args.k, args.temperature)
+        epochs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+        curve = [(r["epoch"], r["knn_top1"]) for r in epochs if r.get("type") == "epoch" and "knn_top1" in r]
+        rows.append(
+            {
+                "name": name,
+                "recipe": recipe,
+                "overrides": overrides,
+                "arch": cfg.model.arch,
+                "steps": result["iteration"],
+                "train_images": len(train_images),
+                "test_images": len(test_images),
+                "pretrain_minutes": history["pretrain_seconds"] / 60,
+                "random_init": random_scores,
+                "pretrained": trained_scores,
+                "knn_gain": trained_scores["knn"] - random_scores["knn"],
+                "linear_gain": trained_scores["linear"] - random_scores["linear"],
+                "monitor_knn_per_epoch": curve,
+            }
+        )
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "quality.json").write_text(json.dumps(rows, indent=2))
+        print_table(rows)
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        "\n| run | arch | steps | train min | kNN random | kNN OBoW | kNN gain | linear random | linear OBoW "
+        "| linear gain | eff. rank random / OBoW |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        a, b = r["random_init"], r["pretrained"]
+        print(
+            f"| {r['name']} | {r['arch']} | {r['steps']} | {r['pretrain_minutes']:.1f} | {a['knn']:.2f} | "
+            f"{b['knn']:.2f} | {r['knn_gain']:+.2f} | {a['linear']:.2f} | {b['linear']:.2f} | "
+            f"{r['linear_gain']:+.2f} | {a['effective_rank']:.1f} / {b['effective_rank']:.1f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

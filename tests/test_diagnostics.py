@@ -1,0 +1,59 @@
+"""Collapse diagnostics against NumPy and hand-worked cases."""
+
+import numpy as np
+import pytest
+import torch
+
+from obow.diagnostics import effective_rank, mean_pairwise_cosine
+
+
+def numpy_effective_rank(x: np.ndarray) -> float:
+    s = np.linalg.svd(x.astype(np.float64), compute_uv=False)
+    p = s / s.sum()
+    p = p[p > 0]
+    return float(np.exp(-(p * np.log(p)).sum()))
+
+
+def numpy_mean_cosine(x: np.ndarray) -> float:
+    u = x / np.linalg.norm(x, axis=1, keepdims=True)
+    c = u @ u.T
+    n = len(x)
+    return float((c.sum() - np.trace(c)) / (n * (n - 1)))
+
+
+@pytest.mark.parametrize("shape", [(64, 16), (10, 40), (128, 512)])
+def test_effective_rank_matches_numpy(shape):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=shape) * rng.uniform(0.1, 3.0, size=shape[1])  # an uneven spectrum
+    assert float(effective_rank(torch.tensor(x, dtype=torch.float32))) == pytest.approx(
+        numpy_effective_rank(x), rel=1e-5
+    )
+
+
+def test_effective_rank_hand_worked_cases():
+    # rank one: a single singular value -> entropy 0 -> 1
+    x = torch.outer(torch.arange(1.0, 9.0), torch.tensor([1.0, -2.0, 0.5]))
+    assert float(effective_rank(x)) == pytest.approx(1.0, abs=1e-4)
+    # orthogonal rows of equal norm: d equal singular values -> d
+    assert float(effective_rank(3.0 * torch.eye(5))) == pytest.approx(5.0, rel=1e-6)
+    # singular values 3 and 1: p = (3/4, 1/4)
+    expected = np.exp(-(0.75 * np.log(0.75) + 0.25 * np.log(0.25)))
+    assert float(effective_rank(torch.diag(torch.tensor([3.0, 1.0])))) == pytest.approx(expected, rel=1e-6)
+
+
+def test_mean_cosine_matches_numpy_and_extremes():
+    rng = np.random.default_rng(1)
+    x = np.abs(rng.normal(size=(50, 32)))
+    assert float(mean_pairwise_cosine(torch.tensor(x))) == pytest.approx(numpy_mean_cosine(x), rel=1e-6)
+    same = torch.ones(6, 4) * torch.arange(1.0, 7.0)[:, None]  # one direction, different norms
+    assert float(mean_pairwise_cosine(same)) == pytest.approx(1.0, abs=1e-6)
+    assert float(mean_pairwise_cosine(torch.eye(4))) == pytest.approx(0.0, abs=1e-7)
+    opposite = torch.tensor([[1.0, 0.0], [-1.0, 0.0]])
+    assert float(mean_pairwise_cosine(opposite)) == pytest.approx(-1.0, abs=1e-7)
+
+
+def test_bad_shapes_are_rejected():
+    with pytest.raises(ValueError, match=r"\[N, D\]"):
+        effective_rank(torch.ones(3))
+    with pytest.raises(ValueError, match="N >= 2"):
+        mean_pairwise_cosine(torch.ones(1, 3))

@@ -6,6 +6,7 @@ obow recipes [NAME]                              # list the built-in recipes, or
 obow eval knn|linear|fewshot|finetune --checkpoint runs/x/checkpoint.pt --data DIR
 obow export --checkpoint runs/x/checkpoint.pt --out backbone.pth --format torchvision
 obow show words|run|neighbours ...               # pictures of what a run learned
+obow import-official FILE --out CKPT             # the authors' released weights as an obow checkpoint
 
 The parser imports nothing heavy (no PyTorch), so that ``obow --help`` and argument errors are instant; each
 command imports what it needs when it runs. ``key=value`` overrides may stand anywhere on the line.
@@ -63,7 +64,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from obow.cli_eval import add_eval_parser, add_export_parser
+    from obow.cli_eval import add_eval_parser, add_export_parser, add_import_parser
     from obow.cli_show import add_show_parser
 
     parser = argparse.ArgumentParser(prog="obow", description="OBoW self-supervised pretraining and evaluation")
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
     add_export_parser(sub)
+    add_import_parser(sub)
     add_show_parser(sub)
     return parser
 

@@ -116,6 +116,39 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     return p
 
 
+def add_import_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``obow import-official FILE --out CKPT``."""
+    p = subparsers.add_parser(
+        "import-official",
+        help="turn a checkpoint released by the authors (valeoai/obow) into an obow checkpoint",
+        description="Read an official OBoW checkpoint (full model, feature extractor only, or torchvision format) "
+        "and write an obow checkpoint for obow eval, export and show.",
+    )
+    p.add_argument("file", help="the official .pth.tar file")
+    p.add_argument("--out", required=True, help="the obow checkpoint to write")
+    p.add_argument("--arch", choices=ARCHITECTURES, help="the backbone (default: recognised from the weights)")
+    p.add_argument("--delta-base", type=_positive_float, help="delta_base (default: the matching recipe's)")
+    p.set_defaults(func=run_import)
+    return p
+
+
+def run_import(args: argparse.Namespace) -> int:
+    """``obow import-official``: convert, then say what was written and what it can be used for."""
+    from obow.official import import_official
+
+    summary = import_official(args.file, args.out, arch=args.arch, delta_base=args.delta_base)
+    if summary["kind"] == "full":
+        what = (
+            f"student, teacher, {', '.join(summary['levels'])} vocabularies of {summary['num_words']} words, "
+            f"kappa {summary['kappa']:g}"
+        )
+    else:
+        what = "the student backbone only"
+    print(f"wrote {args.out}: {summary['arch']}, epoch {summary['epoch']}, {what}")
+    print(f"next: obow eval knn --checkpoint {args.out} --data <folder with train/ and val/>")
+    return 0
+
+
 def _common_options() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     src = common.add_argument_group("what to evaluate")

@@ -311,6 +311,11 @@ def load_level_vocabulary(checkpoint: str | Path, level: str | None = None) -> t
         )
     state = ckpt["model"]
     prefix = f"extractors.{level}."
+    if f"{prefix}vocabulary.words" not in state:
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r} holds no {level} vocabulary (a backbone-only import?); "
+            "showing words needs a full model checkpoint"
+        )
     mu = float(state[f"{prefix}min_distance_mean"])
     if not math.isfinite(mu):
         raise ValueError(f"checkpoint {str(checkpoint)!r}: the {level} temperature statistic was never measured")

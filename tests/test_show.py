@@ -20,6 +20,7 @@ from obow.show.neighbours import nearest
 from obow.show.run_plots import panels_for, read_run
 from obow.show.words import (
     LevelVocabulary,
+    RunningTopK,
     choose_words,
     collect_word_statistics,
     cut_patches,
@@ -118,6 +119,20 @@ def test_streamed_top8_equals_numpy_brute_force(tmp_path):
         choose_words(stats, "1,6")
     with pytest.raises(ValueError, match="give most-used or random, or word indices"):
         choose_words(stats, "often")
+
+
+def test_streamed_top8_with_ties_keeps_the_earliest():
+    # saturated codes (many exactly equal scores), streamed in uneven batches: the earliest locations win ties
+    rng = np.random.default_rng(3)
+    codes = rng.integers(0, 3, (11, 4, 5)).astype(np.float64) / 2  # [B, N, K] in {0, 0.5, 1}
+    top = RunningTopK(5, 8)
+    for start, stop in ((0, 3), (3, 4), (4, 11)):
+        top.update(torch.from_numpy(codes[start:stop]), torch.arange(start, stop))
+    flat = codes.reshape(-1, 5).T
+    order = np.argsort(-flat, axis=1, kind="stable")[:, :8]
+    np.testing.assert_array_equal(top.scores.numpy(), np.take_along_axis(flat, order, 1))
+    np.testing.assert_array_equal(top.images.numpy(), order // 4)
+    np.testing.assert_array_equal(top.locations.numpy(), order % 4)
 
 
 def count_tiles(grid, rows, n, tile=64, gap=4, label_width=110):

@@ -71,11 +71,35 @@ class WordStatistics:
         return self.counts.double() / max(self.total, 1)
 
 
+def top_n_earliest(values: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """The ``n`` largest entries of each row of ``[K, M]`` ``values`` and their column indices, best first;
+    equal values are ranked by column, the earliest first.
+
+    ``topk`` alone breaks ties arbitrarily, and ties are common: an untrained or sharp vocabulary saturates
+    the soft assignment at exactly 1. A full stable sort of every row would cost ten times more.
+    """
+    m = values.shape[1]
+    n = min(n, m)
+    top = values.topk(n, dim=1)
+    threshold, index = top.values[:, -1:], top.indices
+    crowded = ((values >= threshold).sum(dim=1) > n).nonzero().flatten()  # rows where topk had to choose
+    if crowded.numel():
+        # every entry above the n-th value, then the earliest ones equal to it: a topk on a rank key
+        sub, limit = values[crowded], threshold[crowded]
+        earlier = torch.arange(m, 0, -1, device=values.device, dtype=torch.float64)
+        key = torch.where(sub > limit, 2.0 * m + earlier, torch.where(sub == limit, m + earlier, 0.0))
+        index[crowded] = key.topk(n, dim=1).indices
+    index = index.sort(dim=1).values
+    picked = values.gather(1, index)
+    order = picked.sort(dim=1, descending=True, stable=True).indices
+    return picked.gather(1, order), index.gather(1, order)
+
+
 class RunningTopK:
     """The ``n`` best (score, image, location) entries of each of ``K`` words over a stream of batches.
 
-    Each batch's ``n`` best candidates per word are merged with the running ones by one ``topk``; a word's
-    entries stay sorted by score, best first.
+    Each batch's ``n`` best candidates per word are merged with the running ones; a word's entries stay
+    sorted by score, best first, and equal scores keep the stream's order (the earlier image first).
     """
 
     def __init__(self, num_words: int, n: int = TOP) -> None:
@@ -88,13 +112,11 @@ class RunningTopK:
         """``codes`` ``[B, N, K]`` of ``B`` images (ids ``[B]``) at ``N`` locations each."""
         b, n_loc, k = codes.shape
         per_word = codes.permute(2, 0, 1).reshape(k, b * n_loc).double().cpu()
-        best = per_word.topk(min(self.n, b * n_loc), dim=1)
-        images = image_ids.cpu().long()[best.indices // n_loc]
-        scores = torch.cat([self.scores, best.values], dim=1)
-        merged = scores.topk(self.n, dim=1)
-        self.scores = merged.values
-        self.images = torch.cat([self.images, images], dim=1).gather(1, merged.indices)
-        self.locations = torch.cat([self.locations, best.indices % n_loc], dim=1).gather(1, merged.indices)
+        values, index = top_n_earliest(per_word, self.n)
+        images = image_ids.cpu().long()[index // n_loc]
+        self.scores, merged = top_n_earliest(torch.cat([self.scores, values], dim=1), self.n)
+        self.images = torch.cat([self.images, images], dim=1).gather(1, merged)
+        self.locations = torch.cat([self.locations, index % n_loc], dim=1).gather(1, merged)
 
 
 @torch.no_grad()

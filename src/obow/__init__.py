@@ -1,13 +1,31 @@
 """obow: Online Bag-of-Visual-Words self-supervised pretraining (Gidaris et al., CVPR 2021) in PyTorch."""
 
-from obow.backbones import ResNetBackbone, feature_map_size
-from obow.bow import BoWExtractor
-from obow.config import ModelConfig
-from obow.method import OBoW, bow_loss
-from obow.predictor import DynamicBoWPredictor, FixedBoWPredictor, WeightGenerator
-from obow.vocabulary import KMeansVocabulary, QueueVocabulary, Vocabulary
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+#: Public names and the module that defines each. They are imported on first use, so that ``import obow``
+#: (and the ``obow`` command's parser, which ``obow --help`` builds) does not pay for PyTorch.
+_EXPORTS = {
+    "BoWExtractor": "obow.bow",
+    "DynamicBoWPredictor": "obow.predictor",
+    "FixedBoWPredictor": "obow.predictor",
+    "KMeansVocabulary": "obow.vocabulary",
+    "ModelConfig": "obow.config",
+    "OBoW": "obow.method",
+    "QueueVocabulary": "obow.vocabulary",
+    "ResNetBackbone": "obow.backbones",
+    "TimmBackbone": "obow.backbones",
+    "TorchvisionBackbone": "obow.backbones",
+    "build_backbone": "obow.backbones",
+    "Vocabulary": "obow.vocabulary",
+    "WeightGenerator": "obow.predictor",
+    "bow_loss": "obow.method",
+    "feature_map_size": "obow.backbones",
+}
 
 __all__ = [
     "BoWExtractor",
@@ -18,8 +36,25 @@ __all__ = [
     "OBoW",
     "QueueVocabulary",
     "ResNetBackbone",
+    "TimmBackbone",
+    "TorchvisionBackbone",
     "Vocabulary",
     "WeightGenerator",
     "bow_loss",
+    "build_backbone",
     "feature_map_size",
 ]
+
+if TYPE_CHECKING:
+    from obow.backbones import ResNetBackbone, feature_map_size
+    from obow.bow import BoWExtractor
+    from obow.config import ModelConfig
+    from obow.method import OBoW, bow_loss
+    from obow.predictor import DynamicBoWPredictor, FixedBoWPredictor, WeightGenerator
+    from obow.vocabulary import KMeansVocabulary, QueueVocabulary, Vocabulary
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'obow' has no attribute {name!r}")

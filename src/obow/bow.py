@@ -154,6 +154,10 @@ class BoWExtractor(nn.Module):
     current batch before the codes are computed; the vocabulary is updated after the targets, so student and
     teacher use the same vocabulary ``V_t`` within a step. ``update=False`` (or eval mode) changes nothing.
 
+    With :attr:`record_intermediates` set (for debugging and reproduction), each call keeps its step's
+    intermediates in :attr:`intermediates`: ``"codes"`` ``[B, N, K]``, ``"distances"`` ``[B, N, K]``,
+    ``"nearest"`` ``[B, N]`` and, after an update of a queue, ``"enqueued"``: the words it added ``[B, C]``.
+
     Args:
         vocabulary: the update rule and its words (see :mod:`obow.vocabulary`).
         delta_base: ``delta = delta_base * mu_MSD`` (1/15 for the ResNet-50 recipe, 1/10 for ResNet-18).
@@ -202,6 +206,16 @@ class BoWExtractor(nn.Module):
         self.sinkhorn_iterations = sinkhorn_iterations
         initial = float("nan") if temperature_init is None else float(temperature_init)
         self.register_buffer("min_distance_mean", torch.tensor(initial))
+        self.intermediates: dict[str, Tensor] = {}
+
+    @property
+    def record_intermediates(self) -> bool:
+        return self.vocabulary.record_intermediates
+
+    @record_intermediates.setter
+    def record_intermediates(self, value: bool) -> None:
+        self.vocabulary.record_intermediates = bool(value)
+        self.intermediates = {}
 
     @property
     def num_words(self) -> int:
@@ -250,7 +264,12 @@ class BoWExtractor(nn.Module):
                 "kl_to_mean_bow": kl_to_mean_bow(targets),
                 "zero_target_share": (targets == 0).float().mean(),
             }
+            if self.record_intermediates:
+                self.intermediates = {"codes": codes, "distances": distances, "nearest": nearest}
             if update:
+                self.vocabulary.last_enqueued = None
                 extra = self.vocabulary.update(interior, distances, codes if self.assignment == "sinkhorn" else None)
                 diagnostics.update(extra)
+                if self.record_intermediates and self.vocabulary.last_enqueued is not None:
+                    self.intermediates["enqueued"] = self.vocabulary.last_enqueued
         return BoWTargets(targets=targets, diagnostics=diagnostics)

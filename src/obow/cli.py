@@ -5,6 +5,11 @@ obow pretrain --config imagenette_resnet18 --data DIR --out runs/x [key=value ..
 obow recipes [NAME]                              # list the built-in recipes, or print one
 obow eval knn|linear|fewshot|finetune --checkpoint runs/x/checkpoint.pt --data DIR
 obow export --checkpoint runs/x/checkpoint.pt --out backbone.pth --format torchvision
+obow show words|run|neighbours ...               # pictures of what a run learned
+obow import-official FILE --out CKPT             # the authors' released weights as an obow checkpoint
+
+The parser imports nothing heavy (no PyTorch), so that ``obow --help`` and argument errors are instant; each
+command imports what it needs when it runs. ``key=value`` overrides may stand anywhere on the line.
 """
 
 from __future__ import annotations
@@ -14,27 +19,53 @@ import logging
 import sys
 from pathlib import Path
 
-from obow.config import RECIPES_DIR, ConfigError, available_recipes, load_config
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, ValueError, RuntimeError) as err:
-        print(f"obow: error: {err}", file=sys.stderr)
+    except (ValueError, RuntimeError) as err:  # ConfigError is a ValueError
+        print(f"obow: error: {one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
 
 
+def one_line(err: BaseException) -> str:
+    """The message of ``err``, without the worker traceback that a ``DataLoader`` worker's error carries."""
+    text = str(err)
+    if "Original Traceback" in text:  # torch re-raises a worker's error with its traceback in the message
+        last = text.rstrip().splitlines()[-1]
+        text = last.partition(": ")[2] or last
+    return text
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args``, except that ``key=value`` overrides may also come after options.
+
+    argparse fills a positional list once, so ``--out X a=1 --config R b=2`` would leave ``b=2``
+    unrecognised; such leftovers join the command's overrides. Any other leftover is an error, as before.
+    """
+    args, extra = parser.parse_known_args(argv)
+    overrides = [item for item in extra if "=" in item and not item.startswith("-")]
+    others = [item for item in extra if item not in overrides]
+    if overrides and not hasattr(args, "overrides"):
+        others = extra
+    if others:
+        parser.error(f"unrecognized arguments: {' '.join(others)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from obow.cli_eval import add_eval_parser, add_export_parser
+    from obow.cli_eval import add_eval_parser, add_export_parser, add_import_parser
+    from obow.cli_show import add_show_parser
 
     parser = argparse.ArgumentParser(prog="obow", description="OBoW self-supervised pretraining and evaluation")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
@@ -58,10 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
     add_export_parser(sub)
+    add_import_parser(sub)
+    add_show_parser(sub)
     return parser
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
+    from obow.config import ConfigError, load_config
+
     if args.data is None and args.config is None:
         print("obow pretrain: no --data given: running the built-in demo (obow demo)")
         args.out = args.out or "runs/demo"
@@ -99,6 +134,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
+    from obow.config import RECIPES_DIR, ConfigError, available_recipes
+
     if args.name:
         path = RECIPES_DIR / f"{args.name}.yaml"
         if not path.exists():

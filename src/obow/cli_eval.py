@@ -10,7 +10,8 @@
 ``DIR`` holds ``train/`` and ``val/`` (or ``test/``) class folders. kNN, linear and fine-tuning train on
 ``train/`` and test on ``val/``; few-shot episodes are drawn from ``val/`` (the paper draws them from the
 ImageNet validation images, appendix "Evaluation protocols in Section 4.1") unless ``--split train``.
-Each command prints a small table and writes a JSON report (default ``<checkpoint dir>/eval/<protocol>.json``).
+Each command prints a small table and writes a JSON report (default ``<checkpoint dir>/eval/<protocol>.json``;
+``runs/eval/random_init_<arch>_<stem>/<protocol>.json`` for ``--random-init`` without a checkpoint).
 """
 
 from __future__ import annotations
@@ -23,33 +24,35 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from obow import __version__
-from obow.backbones import STEMS
-from obow.data import ImageDataset, ImageList
-from obow.evaluate.features import (
-    NETWORKS,
-    align_classes,
-    eval_dataset,
-    extract_features,
-    load_backbone,
-    scan_labelled,
-    views_dict,
-    views_from_dict,
-)
-from obow.evaluate.fewshot import default_ways, prototype_accuracy, sample_episodes
-from obow.evaluate.finetune import FINETUNE_PRESETS, balanced_subset, finetune, finetune_transform
-from obow.evaluate.knn import DEFAULT_KS, DEFAULT_TEMPERATURE, knn_scores, top1_top5
-from obow.evaluate.linear import LINEAR_PRESETS, preset_for_arch, preset_settings, train_linear_probe
-from obow.export import FORMATS, export_backbone
+
+if TYPE_CHECKING:
+    import torch
+
+    from obow.data import ImageList
 
 PROTOCOLS = ("knn", "linear", "fewshot", "finetune")
-#: Fine-tuning presets by labelled fraction (paper section 4.3).
-FRACTIONS = {preset.fraction: name for name, preset in FINETUNE_PRESETS.items()}
 EXTRACT_BATCH = 256
+# The choices the parser offers, spelled out here so that building it imports no PyTorch (``obow --help`` is
+# instant); tests/test_rough_edges.py checks each against the library's own list.
+ARCHITECTURES = (
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+    "resnext50_32x4d",
+    "wide_resnet50_2",
+)  # obow.backbones.ARCHITECTURES
+STEMS = ("torchvision", "no_maxpool", "cifar")  # obow.backbones.STEMS
+NETWORKS = ("student", "teacher")  # obow.evaluate.features.NETWORKS
+FORMATS = ("torchvision", "timm", "detectron2")  # obow.export.FORMATS
+LINEAR_PRESET_NAMES = ("resnet18", "resnet50")  # obow.evaluate.linear.LINEAR_PRESETS
+#: Fine-tuning presets by labelled fraction (paper section 4.3; obow.evaluate.finetune.FINETUNE_PRESETS).
+FRACTIONS = {0.01: "1%", 0.1: "10%"}
+DEFAULT_TEMPERATURE = 0.1  # obow.evaluate.knn.DEFAULT_TEMPERATURE
 
 
 def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -68,7 +71,7 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.set_defaults(func=run_knn)
 
     p = protocols.add_parser("linear", parents=[common], help="linear probe on pre-cached features (sec. 4.1)")
-    p.add_argument("--preset", choices=tuple(LINEAR_PRESETS), help="default: resnet18 for resnet18/34, else resnet50")
+    p.add_argument("--preset", choices=LINEAR_PRESET_NAMES, help="default: resnet18 for resnet18/34, else resnet50")
     p.add_argument("--epochs", type=_positive_int, help="override the preset's epochs")
     p.add_argument("--lr", type=_positive_float, help="override the preset's learning rate")
     p.add_argument("--wd", type=float, help="override the preset's weight decay")
@@ -115,6 +118,39 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     return p
 
 
+def add_import_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``obow import-official FILE --out CKPT``."""
+    p = subparsers.add_parser(
+        "import-official",
+        help="turn a checkpoint released by the authors (valeoai/obow) into an obow checkpoint",
+        description="Read an official OBoW checkpoint (full model, feature extractor only, or torchvision format) "
+        "and write an obow checkpoint for obow eval, export and show.",
+    )
+    p.add_argument("file", help="the official .pth.tar file")
+    p.add_argument("--out", required=True, help="the obow checkpoint to write")
+    p.add_argument("--arch", choices=ARCHITECTURES, help="the backbone (default: recognised from the weights)")
+    p.add_argument("--delta-base", type=_positive_float, help="delta_base (default: the matching recipe's)")
+    p.set_defaults(func=run_import)
+    return p
+
+
+def run_import(args: argparse.Namespace) -> int:
+    """``obow import-official``: convert, then say what was written and what it can be used for."""
+    from obow.official import import_official
+
+    summary = import_official(args.file, args.out, arch=args.arch, delta_base=args.delta_base)
+    if summary["kind"] == "full":
+        what = (
+            f"student, teacher, {', '.join(summary['levels'])} vocabularies of {summary['num_words']} words, "
+            f"kappa {summary['kappa']:g}"
+        )
+    else:
+        what = "the student backbone only"
+    print(f"wrote {args.out}: {summary['arch']}, epoch {summary['epoch']}, {what}")
+    print(f"next: obow eval knn --checkpoint {args.out} --data <folder with train/ and val/>")
+    return 0
+
+
 def _common_options() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     src = common.add_argument_group("what to evaluate")
@@ -128,7 +164,11 @@ def _common_options() -> argparse.ArgumentParser:
     src.add_argument("--stem", choices=STEMS, help="stem for --random-init without a checkpoint (torchvision)")
     run = common.add_argument_group("data and run")
     run.add_argument("--data", required=True, help="folder holding train/ and val/ (or test/) class folders")
-    run.add_argument("--out", help="JSON report (default <checkpoint dir>/eval/<protocol>.json)")
+    run.add_argument(
+        "--out",
+        help="JSON report (default <checkpoint dir>/eval/<protocol>.json, or for --random-init without a "
+        "checkpoint runs/eval/random_init_<arch>_<stem>/<protocol>.json)",
+    )
     run.add_argument("--size", type=_positive_int, help="centre-crop size (default: the recipe's teacher size)")
     run.add_argument("--resize", type=_positive_int, help="resize before the crop (default: the recipe's)")
     run.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
@@ -162,6 +202,8 @@ def _positive_float(text: str) -> float:
 
 def run_knn(args: argparse.Namespace) -> int:
     """Weighted kNN of ``val/`` against ``train/`` for each ``k`` (default 200 and 20, T = 0.1)."""
+    from obow.evaluate.knn import DEFAULT_KS, knn_scores, top1_top5
+
     run = _Run(args, "knn")
     train_images, test_images = run.splits()
     train_x, train_y = run.features(train_images)
@@ -186,6 +228,8 @@ def run_knn(args: argparse.Namespace) -> int:
 
 def run_linear(args: argparse.Namespace) -> int:
     """Linear probe trained on centre-crop and flipped features of ``train/``, tested on ``val/``."""
+    from obow.evaluate.linear import preset_for_arch, preset_settings, train_linear_probe
+
     run = _Run(args, "linear")
     preset = args.preset or preset_for_arch(run.info["arch"])
     settings = preset_settings(preset)
@@ -216,6 +260,9 @@ def run_linear(args: argparse.Namespace) -> int:
 
 def run_fewshot(args: argparse.Namespace) -> int:
     """Prototype classification on ``n_way``-way ``n_shot``-shot episodes of one split."""
+    from obow.evaluate.features import scan_labelled
+    from obow.evaluate.fewshot import default_ways, prototype_accuracy, sample_episodes
+
     run = _Run(args, "fewshot")
     split = run.train_dir() if args.split == "train" else run.test_dir()
     images = scan_labelled(split)
@@ -248,6 +295,10 @@ def run_fewshot(args: argparse.Namespace) -> int:
 
 def run_finetune(args: argparse.Namespace) -> int:
     """Fine-tune backbone + linear head on a class-balanced fraction of ``train/``; test on ``val/``."""
+    from obow.data import ImageDataset
+    from obow.evaluate.features import eval_dataset
+    from obow.evaluate.finetune import FINETUNE_PRESETS, balanced_subset, finetune, finetune_transform
+
     run = _Run(args, "finetune")
     preset_name = FRACTIONS[args.fraction]
     preset = FINETUNE_PRESETS[preset_name]
@@ -291,6 +342,8 @@ def run_finetune(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     """``obow export``: write the backbone and its ``.json`` sidecar; print what was written."""
+    from obow.export import export_backbone
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         meta = export_backbone(args.checkpoint, args.out, network=args.network, fmt=args.format)
@@ -322,6 +375,8 @@ class _Run:
     """What every protocol does the same way: load the backbone, find the splits, extract, report."""
 
     def __init__(self, args: argparse.Namespace, protocol: str) -> None:
+        from obow.evaluate.features import load_backbone, views_from_dict
+
         self.args = args
         self.protocol = protocol
         self.data = Path(args.data)
@@ -348,8 +403,9 @@ class _Run:
         if self.args.out:
             return Path(self.args.out)
         anchor = self.args.checkpoint or self.args.backbone
-        if anchor is None:
-            raise ValueError("a random initialisation without --checkpoint has no default report path: give --out FILE")
+        if anchor is None:  # a random initialisation of --arch / --stem: a folder of its own under runs/eval
+            folder = Path("runs") / "eval" / f"random_init_{self.info['arch']}_{self.info['stem']}"
+            return folder / f"{self.protocol}.json"
         name = self.protocol
         if self.info["kind"] == "random_init":
             name += "_random_init"
@@ -374,6 +430,8 @@ class _Run:
         )
 
     def splits(self) -> tuple[ImageList, ImageList]:
+        from obow.evaluate.features import align_classes, scan_labelled
+
         train = scan_labelled(self.train_dir())
         test = align_classes(train, scan_labelled(self.test_dir()))
         self._data_info = {"train": train.root, "test": test.root, "num_train": len(train), "num_test": len(test)}
@@ -385,6 +443,8 @@ class _Run:
         return {"num_images": len(images), "num_classes": len(images.classes), "classes": list(images.classes)}
 
     def features(self, images: ImageList, flip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        from obow.evaluate.features import eval_dataset, extract_features
+
         return extract_features(
             self.backbone,
             eval_dataset(images, self.views),
@@ -409,6 +469,8 @@ class _Run:
             print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
 
     def write(self, numbers: dict[str, Any], settings: dict[str, Any], data: dict[str, Any] | None = None) -> None:
+        from obow.evaluate.features import views_dict
+
         source = {k: v for k, v in self.info.items() if k != "views"}
         report = {
             "protocol": self.protocol,
@@ -444,6 +506,8 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)

@@ -394,7 +394,13 @@ def available_recipes() -> dict[str, str]:
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+        try:
+            raw = yaml.safe_load(f) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"{where}: not valid YAML: {problem}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of settings, got {type(raw).__name__}")
     return raw

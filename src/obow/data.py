@@ -17,6 +17,7 @@ import math
 import operator
 import os
 import random
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -64,25 +65,45 @@ def _visible_entries(folder: str) -> list[os.DirEntry]:
         return sorted((e for e in entries if not e.name.startswith(".")), key=lambda e: e.name)
 
 
-def _find_images(folder: str, _ancestors: frozenset[str] = frozenset()) -> list[str]:
-    """Every image file under ``folder``, recursively, in sorted order, following symbolic links."""
+def _is_image_file(entry: os.DirEntry, empty: list[str]) -> bool:
+    """An image file with content; a zero-byte file (an interrupted copy or download) goes to ``empty``."""
+    if not (_is_image(entry.name) and entry.is_file()):
+        return False
+    if entry.stat().st_size == 0:
+        empty.append(entry.path)
+        return False
+    return True
+
+
+def _find_images(folder: str, empty: list[str], _ancestors: frozenset[str] = frozenset()) -> list[str]:
+    """Every non-empty image file under ``folder``, recursively, in sorted order, following symbolic links;
+    zero-byte image files are appended to ``empty``."""
     real = os.path.realpath(folder)
     if real in _ancestors:  # a link back to an enclosing folder would otherwise recurse forever
         return []
     found = []
     for entry in _visible_entries(folder):
         if entry.is_dir():
-            found.extend(_find_images(entry.path, _ancestors | {real}))
-        elif _is_image(entry.name) and entry.is_file():
+            found.extend(_find_images(entry.path, empty, _ancestors | {real}))
+        elif _is_image_file(entry, empty):
             found.append(entry.path)
     return found
 
 
-def _no_images_error(root: str, where: str = "") -> ValueError:
+def _no_images_error(root: str, where: str = "", empty: int = 0) -> ValueError:
+    also = f"; {empty} zero-byte image files were skipped" if empty else ""
     return ValueError(
         f"no images found under {root}{where} (looked for files ending in {', '.join(IMAGE_EXTENSIONS)}, "
-        "in any letter case, skipping hidden files and folders)"
+        f"in any letter case, skipping hidden files and folders{also})"
     )
+
+
+def _warn_empty(root: str, empty: list[str]) -> None:
+    if empty:
+        warnings.warn(
+            f"skipped {len(empty)} zero-byte image files under {root} (e.g. {empty[0]}): they hold no image",
+            stacklevel=3,
+        )
 
 
 def scan_images(root: str | os.PathLike, labels: str = "auto", images_per_class: int | None = None) -> ImageList:
@@ -97,6 +118,8 @@ def scan_images(root: str | os.PathLike, labels: str = "auto", images_per_class:
       otherwise ``"none"``.
 
     The order is sorted and deterministic; hidden files and folders are skipped; symbolic links are followed.
+    Zero-byte image files (an interrupted copy) are skipped with a warning that counts them, so that they do
+    not count as images when the batch size is checked.
     ``images_per_class`` keeps the first N images of each class in that order, the way the official
     ImageNet-20% subset is drawn (official notes 4). Raises ``ValueError`` with the reason.
     """
@@ -109,11 +132,12 @@ def scan_images(root: str | os.PathLike, labels: str = "auto", images_per_class:
     if images_per_class is not None and (isinstance(images_per_class, bool) or images_per_class < 1):
         raise ValueError(f"images_per_class must be an integer >= 1, got {images_per_class!r}")
 
+    empty: list[str] = []  # zero-byte image files, skipped with a warning
     top = _visible_entries(root)
-    top_images = [e.path for e in top if _is_image(e.name) and e.is_file()]
+    top_images = [e.path for e in top if _is_image_file(e, empty)]
     if labels == "auto" and top_images:
         labels = "none"
-    class_images = {e.name: _find_images(e.path) for e in top if e.is_dir()} if labels != "none" else {}
+    class_images = {e.name: _find_images(e.path, empty) for e in top if e.is_dir()} if labels != "none" else {}
     if labels == "auto":
         labels = "folders" if any(class_images.values()) else "none"
 
@@ -123,9 +147,11 @@ def scan_images(root: str | os.PathLike, labels: str = "auto", images_per_class:
                 f"images_per_class={images_per_class} needs class folders, but the images under {root} are "
                 "read as unlabelled (labels='none', or 'auto' found no class sub-folders)"
             )
-        paths = _find_images(root)
+        empty.clear()  # the whole tree is scanned again
+        paths = _find_images(root, empty)
         if not paths:
-            raise _no_images_error(root)
+            raise _no_images_error(root, empty=len(empty))
+        _warn_empty(root, empty)
         return ImageList(root=root, paths=paths, labels=None, classes=None)
 
     if top_images:
@@ -134,13 +160,14 @@ def scan_images(root: str | os.PathLike, labels: str = "auto", images_per_class:
             "labels='folders' every image must be inside a class sub-folder: move them or use labels='none'"
         )
     if not any(class_images.values()):
-        raise _no_images_error(root, " in any class sub-folder")
+        raise _no_images_error(root, " in any class sub-folder", len(empty))
     classes = sorted(class_images)
     paths, targets = [], []
     for label, name in enumerate(classes):
         kept = class_images[name][:images_per_class]
         paths.extend(kept)
         targets.extend([label] * len(kept))
+    _warn_empty(root, empty)
     return ImageList(root=root, paths=paths, labels=targets, classes=classes)
 
 

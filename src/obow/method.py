@@ -154,7 +154,8 @@ class OBoW(nn.Module):
             return
         teacher = list(self.teacher.parameters())
         student = [p.detach() for p in self.student.parameters()]
-        torch._foreach_lerp_(teacher, student, 1.0 - momentum)
+        if teacher:  # a parameter-free backbone has nothing to average (_foreach_lerp_ rejects empty lists)
+            torch._foreach_lerp_(teacher, student, 1.0 - momentum)
 
     @torch.no_grad()
     def teacher_targets(self, images: Tensor, update: bool | None = None) -> dict[str, BoWTargets]:

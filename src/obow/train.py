@@ -298,6 +298,21 @@ class KNNMonitor:
         val = align_classes(images, scan_labelled(cfg.data.val_path))
         self.train_set, self.val_set = eval_dataset(images, cfg.views), eval_dataset(val, cfg.views)
         self.enabled = True
+        if cfg.train.knn_every > cfg.optim.epochs:
+            log.warning(
+                "kNN monitor: train.knn_every=%d is larger than optim.epochs=%d, so it will never run; "
+                "set train.knn_every to at most %d",
+                cfg.train.knn_every,
+                cfg.optim.epochs,
+                cfg.optim.epochs,
+            )
+        if cfg.train.knn_k > len(images):
+            log.warning(
+                "kNN monitor: train.knn_k=%d is more than the %d training images; it uses k=%d",
+                cfg.train.knn_k,
+                len(images),
+                len(images),
+            )
 
     def due(self, epoch: int) -> bool:
         return self.enabled and epoch % self.cfg.train.knn_every == 0

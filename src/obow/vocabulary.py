@@ -29,8 +29,14 @@ from obow.validation import check_choice, check_unit_interval
 QUEUE_SAMPLINGS = ("local_average", "local", "global_average")
 
 
-def sample_one_feature_per_image(feature_map: Tensor, mode: str = "local_average") -> Tensor:
-    """One ``C``-dimensional feature per image of a ``[B, C, H, W]`` map (paper section 3.1, options a-c)."""
+def sample_one_feature_per_image(
+    feature_map: Tensor, mode: str = "local_average", generator: torch.Generator | None = None
+) -> Tensor:
+    """One ``C``-dimensional feature per image of a ``[B, C, H, W]`` map (paper section 3.1, options a-c).
+
+    The random locations come from ``generator`` when given (drawn on its device), else from torch's global
+    generator for the map's device.
+    """
     check_choice("queue_sampling", mode, QUEUE_SAMPLINGS)
     if mode == "global_average":
         return feature_map.mean(dim=(2, 3))
@@ -44,15 +50,23 @@ def sample_one_feature_per_image(feature_map: Tensor, mode: str = "local_average
         feature_map = F.avg_pool2d(feature_map, kernel_size=3, stride=1, padding=0)
     b, c = feature_map.shape[:2]
     flat = feature_map.flatten(2)
-    index = torch.randint(flat.shape[2], (b,), device=flat.device)
+    if generator is None:
+        index = torch.randint(flat.shape[2], (b,), device=flat.device)
+    else:
+        index = torch.randint(flat.shape[2], (b,), device=generator.device, generator=generator).to(flat.device)
     return flat[torch.arange(b, device=flat.device), :, index]
 
 
 class Vocabulary(nn.Module):
     """Base class: ``K`` words of dimension ``C``, initialised to ReLU'd Gaussian noise (official notes 2.5).
 
-    Subclasses implement :meth:`update`, which returns a dict of diagnostics (possibly empty).
+    Subclasses implement :meth:`update`, which returns a dict of diagnostics (possibly empty). With
+    :attr:`record_intermediates` set, an update keeps what it added in :attr:`last_enqueued` (for debugging
+    and reproduction; not saved in the ``state_dict``).
     """
+
+    record_intermediates: bool = False
+    last_enqueued: Tensor | None = None
 
     def __init__(self, num_words: int, num_channels: int) -> None:
         super().__init__()
@@ -75,18 +89,27 @@ class QueueVocabulary(Vocabulary):
     """FIFO queue of the ``K`` most recently sampled teacher features (the paper's default vocabulary).
 
     Buffers: ``words`` and ``ptr`` (the slot the next feature goes to). The global batch must divide ``K``
-    (official notes 2.5), which keeps every enqueued block contiguous.
+    (official notes 2.5), which keeps every enqueued block contiguous. ``generator`` (also settable as an
+    attribute) draws the random locations instead of torch's global generator, to reproduce a run's queue
+    exactly; each process draws for its own images, and the words are then gathered in rank order.
     """
 
-    def __init__(self, num_words: int, num_channels: int, sampling: str = "local_average") -> None:
+    def __init__(
+        self,
+        num_words: int,
+        num_channels: int,
+        sampling: str = "local_average",
+        generator: torch.Generator | None = None,
+    ) -> None:
         super().__init__(num_words, num_channels)
         check_choice("queue_sampling", sampling, QUEUE_SAMPLINGS)
         self.sampling = sampling
+        self.generator = generator
         self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
 
     @torch.no_grad()
     def update(self, feature_map: Tensor, distances: Tensor, codes: Tensor | None) -> dict[str, Tensor]:
-        new_words = D.all_gather_cat(sample_one_feature_per_image(feature_map, self.sampling))
+        new_words = D.all_gather_cat(sample_one_feature_per_image(feature_map, self.sampling, self.generator))
         n = new_words.shape[0]
         if self.num_words % n != 0:
             raise ValueError(
@@ -96,6 +119,8 @@ class QueueVocabulary(Vocabulary):
         slots = (self.ptr + torch.arange(n, device=self.ptr.device)) % self.num_words
         self.words.index_copy_(0, slots, new_words.to(self.words.dtype))
         self.ptr.copy_((self.ptr + n) % self.num_words)
+        if self.record_intermediates:
+            self.last_enqueued = new_words
         return {}
 
 

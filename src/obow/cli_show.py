@@ -1,0 +1,127 @@
+"""The ``obow show`` commands: pictures of what a run learned.
+
+    obow show words --checkpoint runs/x/checkpoint.pt --data DIR --out runs/x/words [--level conv5]
+        [--network teacher|student] [--words most-used|random|3,17,42] [--num-words 16]
+    obow show run runs/x [runs/y ...] --out runs/x/curves.png
+    obow show neighbours --checkpoint runs/x/checkpoint.pt --data DIR --out runs/x/neighbours.png [--queries 8]
+
+Building this parser imports nothing heavy; each command imports its module when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+NETWORKS = ("student", "teacher")  # obow.evaluate.features.NETWORKS (checked in tests/test_show.py)
+
+
+def add_show_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``obow show words|run|neighbours``."""
+    parser = subparsers.add_parser(
+        "show",
+        help="pictures of what a run learned: visual words, training curves, nearest neighbours",
+        description="Pictures of what a run learned.",
+    )
+    kinds = parser.add_subparsers(title="pictures", dest="picture", metavar="PICTURE", required=True)
+
+    p = kinds.add_parser("words", help="the top image patches of visual words (PNG grid and HTML page)")
+    p.add_argument("--checkpoint", required=True, help="a pretraining checkpoint (obow pretrain)")
+    p.add_argument("--data", required=True, help="a folder of images (any tree; class folders not needed)")
+    p.add_argument("--out", required=True, help="output folder: words.png, index.html, patches/")
+    p.add_argument("--network", choices=NETWORKS, default="teacher", help="whose feature maps (default teacher)")
+    p.add_argument("--level", help="BoW level (default conv5, or the recipe's last level)")
+    p.add_argument("--words", default="most-used", help="most-used (default), random, or indices such as 3,17,42")
+    p.add_argument("--num-words", type=_positive_int, default=16, help="words shown for most-used / random (16)")
+    p.add_argument("--tile", type=_positive_int, default=64, help="patch size in the grid, pixels (64)")
+    _run_options(p, batch_size=32)
+    p.set_defaults(func=run_words)
+
+    p = kinds.add_parser("run", help="training curves of one or more runs (one PNG)")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="folders of obow pretrain runs (with log.jsonl)")
+    p.add_argument("--out", required=True, help="output PNG")
+    p.set_defaults(func=run_run)
+
+    p = kinds.add_parser("neighbours", help="nearest training images of a few queries, learned vs random init")
+    p.add_argument("--checkpoint", required=True, help="a pretraining checkpoint (obow pretrain)")
+    p.add_argument("--data", required=True, help="folder holding train/ and val/ (or test/) class folders")
+    p.add_argument("--out", required=True, help="output PNG")
+    p.add_argument("--network", choices=NETWORKS, default="student", help="default student")
+    p.add_argument("--queries", type=_positive_int, default=8, help="query images from val/ or test/ (8)")
+    p.add_argument("--k", type=_positive_int, default=5, help="neighbours per query and network (5)")
+    p.add_argument("--tile", type=_positive_int, default=64, help="image size in the grid, pixels (64)")
+    _run_options(p, batch_size=256)
+    p.set_defaults(func=run_neighbours)
+    return parser
+
+
+def _run_options(p: argparse.ArgumentParser, batch_size: int) -> None:
+    p.add_argument("--seed", type=int, default=0, help="random words, queries and random init (0)")
+    p.add_argument("--batch-size", type=_positive_int, default=batch_size, help=f"images per batch ({batch_size})")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="data loaders (min(4, CPUs))")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def run_words(args: argparse.Namespace) -> int:
+    from obow.cli_eval import _device
+    from obow.show.words import show_words
+
+    result = show_words(
+        args.checkpoint,
+        args.data,
+        args.out,
+        network=args.network,
+        level=args.level,
+        words=args.words,
+        num_words=args.num_words,
+        seed=args.seed,
+        tile=args.tile,
+        batch_size=args.batch_size,
+        device=_device(args.device),
+        num_workers=args.workers,
+    )
+    print(
+        f"{result['level']}: {len(result['words'])} words over {result['num_images']} images "
+        f"({result['num_locations']} locations)"
+    )
+    for word, usage in zip(result["words"], result["usage"], strict=True):
+        print(f"  word {word:5d}  usage {100 * usage:6.2f}%")
+    print(f"wrote {result['grid']} and {result['html']}")
+    return 0
+
+
+def run_run(args: argparse.Namespace) -> int:
+    from obow.show.run_plots import plot_runs
+
+    print(f"wrote {plot_runs(args.runs, args.out)}")
+    return 0
+
+
+def run_neighbours(args: argparse.Namespace) -> int:
+    from obow.cli_eval import _device
+    from obow.show.neighbours import show_neighbours
+
+    result = show_neighbours(
+        args.checkpoint,
+        args.data,
+        args.out,
+        network=args.network,
+        queries=args.queries,
+        k=args.k,
+        seed=args.seed,
+        tile=args.tile,
+        batch_size=args.batch_size,
+        device=_device(args.device),
+        num_workers=args.workers,
+    )
+    shares = ", ".join(f"{name} {100 * share:.1f}%" for name, share in result["same_class"].items())
+    print(f"neighbours of the query's class: {shares}")
+    print(f"wrote {result['path']}")
+    return 0

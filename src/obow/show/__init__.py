@@ -1,0 +1,6 @@
+"""Pictures of what a run learned: ``obow show words``, ``obow show run`` and ``obow show neighbours``.
+
+* :mod:`obow.show.words`: the image patches that each visual word of a level's vocabulary stands for;
+* :mod:`obow.show.run_plots`: the curves of one or more runs' ``log.jsonl``;
+* :mod:`obow.show.neighbours`: nearest training images of a few queries, learned features against random ones.
+"""

@@ -71,6 +71,7 @@ def test_knn_end_to_end(setup, capsys):
         "iteration": 30,
         "arch": "resnet18",
         "stem": "cifar",
+        "arch_options": {},
     }
     assert report["settings"]["k"] == [200, 20] and report["settings"]["view"]["teacher_size"] == 16
     assert report["data"]["root"] == str(data) and report["data"]["classes"] == sorted(COLOURS)

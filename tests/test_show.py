@@ -190,7 +190,14 @@ def tiny_run(tmp_path_factory):
 
 def test_show_run_plots_a_real_run_and_overlays_two(tiny_run, tmp_path, capsys):
     root, out = tiny_run
-    run = read_run(out)
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert any("student/effective_rank" in r for r in records)  # a real run logs the collapse diagnostics
+    plain = root / "run_without_student_metrics"  # the same run without them: their panels must not appear
+    plain.mkdir(exist_ok=True)
+    (plain / "log.jsonl").write_text(
+        "".join(json.dumps({k: v for k, v in r.items() if not k.startswith("student/")}) + "\n" for r in records)
+    )
+    run = read_run(plain)
     titles = [p.title for p in panels_for([run])]
     assert titles[0].startswith("loss per group") and "learning rate" in titles and "images/s" in titles
     assert "kNN top-1 per epoch (%)" in titles
@@ -198,7 +205,7 @@ def test_show_run_plots_a_real_run_and_overlays_two(tiny_run, tmp_path, capsys):
     assert ("loss/group0/conv4", False) in loss_panel.series and ("conv4/kl_to_mean_bow", True) in loss_panel.series
     assert not any(t.startswith("student/") for t in titles)  # not logged by this run: no empty panel
     png = tmp_path / "curves.png"
-    assert cli.main(["show", "run", str(out), "--out", str(png)]) == 0
+    assert cli.main(["show", "run", str(plain), "--out", str(png)]) == 0
     assert f"wrote {png}" in capsys.readouterr().out
     assert titles == [
         "loss per group and level (dashed: kl_to_mean_bow)",
@@ -217,9 +224,9 @@ def test_show_run_plots_a_real_run_and_overlays_two(tiny_run, tmp_path, capsys):
         if record.get("type") != "epoch":
             record["student/effective_rank"] = 10.0 + i
     (other / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"cut short')
-    both = [read_run(out), read_run(other)]
+    both = [read_run(plain), read_run(other)]
     assert [p.title for p in panels_for(both)][3] == "student/effective_rank"
-    assert cli.main(["show", "run", str(out), str(other), "--out", str(tmp_path / "both.png")]) == 0
+    assert cli.main(["show", "run", str(plain), str(other), "--out", str(tmp_path / "both.png")]) == 0
     assert Image.open(tmp_path / "both.png").size == (3 * 550, 3 * 360)
     with pytest.raises(ValueError, match="has no log.jsonl"):
         read_run(tmp_path)

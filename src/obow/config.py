@@ -24,6 +24,9 @@ from obow.bow import ASSIGNMENTS, POOLINGS
 from obow.validation import check_choice, check_positive, check_unit_interval
 from obow.vocabulary import QUEUE_SAMPLINGS
 
+#: Pretraining methods: OBoW, and the paper's baselines (MoCo v2: appendix; BoWNet and its RotNet teacher:
+#: Table 5). Each is a module beside :class:`~obow.method.OBoW` (see :mod:`obow.methods`).
+METHODS = ("obow", "mocov2", "bownet", "rotnet")
 VOCABULARIES = ("queue", "kmeans")
 HEADS = ("dynamic", "fixed")
 MOMENTUM_SCHEDULES = ("cosine", "constant")
@@ -42,8 +45,14 @@ class ModelConfig:
 
     Defaults are the paper's ResNet-50 "full" setting (official notes 1.3); ``vanilla`` is ``levels:
     [conv5]`` with one student crop, a configuration rather than a code path.
+
+    ``method`` picks the pretraining method (``obow``; the baselines ``mocov2``, ``bownet``, ``rotnet`` read
+    the backbone settings here and their own in the ``moco`` / ``bownet`` sections). ``cutmix`` (Table 4's
+    "1 x 224 + cutmix", BoWNet's augmentation) pastes, in every student view group, a random box of another
+    image of the batch and mixes the two images' BoW targets by area.
     """
 
+    method: str = "obow"
     arch: str = "resnet50"
     arch_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     stem: str = "torchvision"
@@ -68,8 +77,10 @@ class ModelConfig:
     teacher_momentum: float = 0.99
     teacher_momentum_schedule: str = "cosine"
     loss_weighting: str = "group_sum"
+    cutmix: bool = False
 
     def __post_init__(self) -> None:
+        check_choice("model.method", self.method, METHODS)
         try:
             source, _ = parse_arch(self.arch, "model.arch")
         except ValueError as err:
@@ -170,6 +181,62 @@ class ViewsConfig:
             raise ConfigError("views.mean and views.std must hold 3 numbers each, std > 0")
 
 
+MOCO_AUGMENTATIONS = ("mocov2", "ours")
+
+
+@dataclass
+class MoCoConfig:
+    """MoCo v2 (``model.method=mocov2``), the paper's appendix baseline: a key encoder that is an EMA of the
+    query encoder, a 2-layer MLP projection head and an InfoNCE loss over a queue of negative keys.
+
+    ``augmentation: mocov2`` draws MoCo v2's own two views (random-resized crops of ``views.teacher_size``,
+    scale ``crop_scale``, colour jitter, grayscale, blur, flip); ``ours`` uses OBoW's views: every student
+    crop and patch is a query, contrasted with the key of the teacher's view ("MoCo v2 (our aug.)").
+    ``hidden_dim: null`` makes the MLP's hidden layer as wide as the backbone's features (MoCo v2).
+    """
+
+    augmentation: str = "mocov2"
+    dim: int = 128
+    hidden_dim: int | None = None
+    queue_size: int = 65536
+    temperature: float = 0.2
+    key_momentum: float = 0.999
+    crop_scale: tuple[float, ...] = (0.2, 1.0)
+
+    def __post_init__(self) -> None:
+        check_choice("moco.augmentation", self.augmentation, MOCO_AUGMENTATIONS)
+        _check_int("moco.dim", self.dim, minimum=1)
+        if self.hidden_dim is not None:
+            _check_int("moco.hidden_dim", self.hidden_dim, minimum=1)
+        _check_int("moco.queue_size", self.queue_size, minimum=1)
+        check_positive("moco.temperature", self.temperature)
+        check_unit_interval("moco.key_momentum", self.key_momentum)
+        if len(self.crop_scale) != 2 or not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
+            raise ConfigError(f"moco.crop_scale must be [low, high] with 0 < low <= high <= 1, got {list(self.crop_scale)}")
+
+
+@dataclass
+class BoWNetConfig:
+    """BoWNet (``model.method=bownet``, paper Table 5): a static, pretrained teacher; a vocabulary from
+    offline k-means over its ``model.levels`` feature maps; BoW targets with ``model.assignment`` (BoWNet:
+    ``hard``) and ``model.pooling``; the head of ``model.head`` (BoWNet: ``fixed``).
+
+    ``teacher``: an ``obow pretrain`` checkpoint (its student; e.g. a ``rotnet`` run, or a first BoWNet round
+    for the second round) or an exported backbone of the same architecture. k-means runs once, before the
+    first step, on ``kmeans_samples_per_image`` feature vectors (border removed) of each of
+    ``kmeans_images`` training images (the teacher's view), for ``kmeans_iterations`` Lloyd iterations.
+    """
+
+    teacher: str | None = None
+    kmeans_images: int = 10000
+    kmeans_samples_per_image: int = 16
+    kmeans_iterations: int = 50
+
+    def __post_init__(self) -> None:
+        for name in ("kmeans_images", "kmeans_samples_per_image", "kmeans_iterations"):
+            _check_int(f"bownet.{name}", getattr(self, name), minimum=1)
+
+
 LABEL_MODES = ("auto", "folders", "none")
 
 
@@ -266,9 +333,25 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    moco: MoCoConfig = dataclasses.field(default_factory=MoCoConfig)
+    bownet: BoWNetConfig = dataclasses.field(default_factory=BoWNetConfig)
 
     def __post_init__(self) -> None:
         m, v = self.model, self.views
+        if m.method == "mocov2":
+            if self.moco.queue_size % self.data.batch_size != 0:
+                raise ConfigError(
+                    f"moco.queue_size ({self.moco.queue_size}) must be a multiple of data.batch_size "
+                    f"({self.data.batch_size}): the queue takes one key per image of the global batch each step"
+                )
+            return  # no BoW levels: the map-size and vocabulary rules below are OBoW's and BoWNet's
+        if m.method == "rotnet":
+            return
+        if m.method == "bownet" and not self.bownet.teacher:
+            raise ConfigError(
+                "model.method=bownet needs bownet.teacher: the static teacher, an obow pretrain checkpoint (e.g. of "
+                "a model.method=rotnet run) or an exported backbone of the same model.arch"
+            )
         for level in m.levels:
             try:
                 side = level_map_size(m.arch, v.teacher_size, level, m.stem, m.arch_options) - 2 * m.border
@@ -281,7 +364,7 @@ class Config:
                     f"every level needs at least {MIN_BOW_MAP}x{MIN_BOW_MAP}: raise views.teacher_size, choose a "
                     "stem with a smaller stride (no_maxpool: 16, cifar: 8) or drop the level from model.levels"
                 )
-        if m.vocabulary == "queue" and m.num_words % self.data.batch_size != 0:
+        if m.method == "obow" and m.vocabulary == "queue" and m.num_words % self.data.batch_size != 0:
             raise ConfigError(
                 f"model.num_words ({m.num_words}) must be a multiple of data.batch_size ({self.data.batch_size}): "
                 "the queue takes one word per image of the global batch each step"

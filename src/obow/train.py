@@ -2,8 +2,8 @@
 
 :func:`pretrain` sets up the run (processes, device, data, model, optimiser), resumes from
 ``<out>/checkpoint.pt`` when one is there, then loops over epochs and batches: learning rate from the
-iteration, one :class:`~obow.method.OBoW` step (teacher EMA, targets, vocabulary update, student loss),
-backward, SGD step, logs. A checkpoint is written atomically at every epoch end (and every
+iteration, one step of the method (:class:`~obow.method.OBoW`: teacher EMA, targets, vocabulary update,
+student loss; or a baseline of :mod:`obow.methods`), backward, SGD step, logs. A checkpoint is written atomically at every epoch end (and every
 ``train.checkpoint_every`` iterations), and on Ctrl-C or SIGTERM, holding everything needed to continue
 exactly where the run stopped.
 
@@ -33,14 +33,13 @@ from torch import nn
 
 from obow import distributed as D
 from obow.checkpoint import FORMAT, VERSION, load_checkpoint, save_atomic
-from obow.config import Config, save_config, to_dict
+from obow.config import Config, from_dict, save_config, to_dict
 from obow.data import EpochSampler, ImageDataset, ImageList, build_loader, scan_images
 from obow.diagnostics import feature_diagnostics
 from obow.evaluate.features import align_classes, eval_dataset, extract_features, scan_labelled
 from obow.evaluate.knn import knn_accuracy
-from obow.method import OBoW
+from obow.methods import build_method, build_views
 from obow.schedules import learning_rate
-from obow.transforms import OBoWViews
 
 log = logging.getLogger("obow")
 
@@ -111,7 +110,7 @@ def pretrain(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
     local_batch = cfg.data.batch_size // world
     sampler = EpochSampler(len(images), local_batch, seed=cfg.train.seed, rank=D.rank(), world_size=world)
     loader = build_loader(
-        ImageDataset(images, OBoWViews(cfg.views)),
+        ImageDataset(images, build_views(cfg)),
         sampler,
         local_batch,
         num_workers=cfg.data.num_workers,
@@ -122,10 +121,11 @@ def pretrain(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
 
     # Model and optimiser. The same seed on every process gives the same initial weights and vocabulary.
     torch.manual_seed(cfg.train.seed)
-    model = OBoW.from_config(cfg.model, total_iterations=total_iters)
+    model = build_method(cfg, total_iters)
     if D.is_distributed() and device.type == "cuda" and cfg.train.sync_batchnorm:
         model.student = nn.SyncBatchNorm.convert_sync_batchnorm(model.student)
-        model.teacher = nn.SyncBatchNorm.convert_sync_batchnorm(model.teacher)
+        if isinstance(getattr(model, "teacher", None), nn.Module):
+            model.teacher = nn.SyncBatchNorm.convert_sync_batchnorm(model.teacher)
     model.to(device)
     if cfg.train.channels_last:
         model.to(memory_format=torch.channels_last)
@@ -152,6 +152,8 @@ def pretrain(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
                 total_iters,
             )
     else:
+        if hasattr(model, "prepare"):  # e.g. BoWNet's offline k-means, once, before the first step
+            model.prepare(images, cfg, device)
         torch.manual_seed(cfg.train.seed + D.rank())  # runtime randomness (queue sampling) differs per process
         if is_main:
             log.info("New run in %s: %d images, %d iterations per epoch", out, len(images), iters_per_epoch)
@@ -223,7 +225,12 @@ def pretrain(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
 
                     optimizer.zero_grad(set_to_none=True)
                     metrics_t = forward_backward(
-                        step_model, teacher_images, student_views, scaler, autocast, cfg.train.backward_per_group
+                        step_model,
+                        teacher_images,
+                        student_views,
+                        scaler,
+                        autocast,
+                        cfg.train.backward_per_group and getattr(model, "supports_groups", True),
                     )
                     scaler.step(optimizer)
                     scaler.update()
@@ -411,7 +418,7 @@ def setup_process(cfg: Config) -> torch.device:
     return device
 
 
-def build_optimizer(model: OBoW, cfg: Config) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     """SGD over the student and the head. The official code decays every parameter (BN and biases too);
     ``optim.decay_norm_and_bias: false`` exempts one-dimensional parameters instead."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -445,6 +452,10 @@ def precision_context(precision: str, device: torch.device) -> contextlib.Abstra
 
 def check_same_run(cfg: Config, saved: dict[str, Any], path: Path) -> None:
     """Refuse to resume a checkpoint whose run-defining settings differ from ``cfg``."""
+    try:  # settings added after the checkpoint was written count as their defaults
+        saved = to_dict(from_dict(Config, saved))
+    except ValueError:
+        pass
     now, before = flatten(to_dict(cfg)), flatten(saved)
     changed = sorted(
         k for k in now.keys() | before.keys() if now.get(k) != before.get(k) and k not in RESUMABLE_CHANGES

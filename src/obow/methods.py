@@ -1,0 +1,67 @@
+"""Pretraining methods: OBoW and the paper's baselines, each a small module beside the one training loop.
+
+``model.method`` picks one:
+
+==========  =====================================  ==========================================================
+method      module                                 paper
+==========  =====================================  ==========================================================
+``obow``    :class:`obow.method.OBoW`              the method (sections 3.1-3.3)
+``mocov2``  :class:`obow.mocov2.MoCoV2`            appendix "Comparing with MoCo for the same augmentations"
+``bownet``  :class:`obow.bownet.BoWNet`            Table 5 (static teacher, offline k-means vocabulary)
+``rotnet``  :class:`obow.rotnet.RotNet`            Table 5 (BoWNet's teacher: rotation prediction)
+==========  =====================================  ==========================================================
+
+What the training loop (:func:`obow.train.pretrain`) needs from a method module:
+
+* ``student``: the backbone being trained (what ``obow eval`` and ``obow export`` read, as
+  ``student.*`` entries of the checkpoint); ``teacher`` when the method has one;
+* ``forward(teacher_images, student_views, group=None, grad_scale=1.0)`` returning an object with
+  ``loss`` (to back-propagate) and ``metrics`` (detached scalars, ``"loss"`` among them); the batch is the
+  one :func:`build_views` describes, split by :func:`obow.train.to_device` into the teacher's images
+  ``[B, 3, T, T]`` and the student's view groups ``[B, n, 3, h, w]``. A method whose attribute
+  ``supports_groups`` is false is always called with ``group=None``;
+* optionally ``prepare(images, cfg, device)``, called once before the first step of a new run (not on
+  resumption: what it computes must live in the ``state_dict``), e.g. BoWNet's offline k-means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from obow.config import Config
+
+
+def build_method(cfg: Config, total_iterations: int) -> nn.Module:
+    """The module of ``cfg.model.method``, built from ``cfg``, for a run of ``total_iterations`` steps."""
+    method = cfg.model.method
+    if method == "obow":
+        from obow.method import OBoW
+
+        return OBoW.from_config(cfg.model, total_iterations=total_iterations)
+    if method == "mocov2":
+        from obow.mocov2 import MoCoV2
+
+        return MoCoV2.from_config(cfg, total_iterations=total_iterations)
+    if method == "bownet":
+        from obow.bownet import BoWNet
+
+        return BoWNet.from_config(cfg, total_iterations=total_iterations)
+    if method == "rotnet":
+        from obow.rotnet import RotNet
+
+        return RotNet.from_config(cfg, total_iterations=total_iterations)
+    raise ValueError(f"model.method={method!r} is not one of obow, mocov2, bownet, rotnet")  # config checks it
+
+
+def build_views(cfg: Config) -> Callable[[Any], dict]:
+    """The per-image transform of ``cfg``'s method: a PIL image -> ``{"teacher": ..., "crops": ..., ...}``."""
+    from obow.transforms import OBoWViews
+
+    if cfg.model.method == "mocov2" and cfg.moco.augmentation == "mocov2":
+        from obow.transforms import MoCoV2Views
+
+        return MoCoV2Views(cfg.views, cfg.moco.crop_scale)
+    return OBoWViews(cfg.views)

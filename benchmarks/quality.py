@@ -37,10 +37,8 @@ import torch
 
 from obow.config import load_config
 from obow.data import scan_images
-from obow.diagnostics import feature_diagnostics
-from obow.evaluate.features import align_classes, eval_dataset, extract_features, load_backbone
-from obow.evaluate.knn import knn_accuracy
-from obow.evaluate.linear import preset_settings, train_linear_probe
+from obow.evaluate.features import align_classes, eval_dataset, load_backbone
+from obow.evaluate.protocol import evaluate_backbone
 from obow.train import pretrain
 
 
@@ -62,23 +60,23 @@ def time_steps(cfg, steps: int = 6) -> float:
     """Seconds per optimisation step of ``cfg`` (data loading included): the mean over the steps after the
     first two, with the real loader, model and optimiser."""
     from obow.data import EpochSampler, ImageDataset, build_loader
-    from obow.method import OBoW
+    from obow.methods import build_method, build_views
     from obow.train import build_optimizer, forward_backward, precision_context, to_device
-    from obow.transforms import OBoWViews
 
     images = scan_images(cfg.data.path, "folders", cfg.data.images_per_class)
     sampler = EpochSampler(len(images), cfg.data.batch_size, seed=cfg.train.seed)
     loader = build_loader(
-        ImageDataset(images, OBoWViews(cfg.views)), sampler, cfg.data.batch_size, cfg.data.num_workers
+        ImageDataset(images, build_views(cfg)), sampler, cfg.data.batch_size, cfg.data.num_workers
     )
-    model = OBoW.from_config(cfg.model, total_iterations=1000).train()
+    model = build_method(cfg, total_iterations=1000).train()
     optimizer = build_optimizer(model, cfg)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     stamps = []
     for i, batch in enumerate(loader):
         teacher, views = to_device(batch["image"], torch.device("cpu"), cfg.train.channels_last)
         optimizer.zero_grad(set_to_none=True)
-        forward_backward(model, teacher, views, scaler, precision_context("fp32", torch.device("cpu")), True)
+        per_group = getattr(model, "supports_groups", True)
+        forward_backward(model, teacher, views, scaler, precision_context("fp32", torch.device("cpu")), per_group)
         optimizer.step()
         stamps.append(time.time())
         if i + 1 == steps:
@@ -88,28 +86,8 @@ def time_steps(cfg, steps: int = 6) -> float:
 
 
 def evaluate(backbone: torch.nn.Module, train_set, test_set, k: int, temperature: float) -> dict[str, float]:
-    train_x, train_y = extract_features(backbone, train_set, batch_size=256)
-    test_x, test_y = extract_features(backbone, test_set, batch_size=256)
-    k = min(k, len(train_y))
-    knn = knn_accuracy(train_x, train_y, test_x, test_y, k=k, temperature=temperature)
-    settings = preset_settings("resnet18")
-    probe = train_linear_probe(
-        [train_x],
-        train_y,
-        test_x,
-        test_y,
-        epochs=settings["epochs"],
-        lr=settings["lr"],
-        batch_size=settings["batch_size"],
-        weight_decay=settings["weight_decay"],
-        momentum=settings["momentum"],
-        schedule=settings["schedule"],
-        milestones=settings["milestones"],
-        gamma=settings["gamma"],
-        batch_norm=True,
-    )
-    diagnostics = {key: float(v) for key, v in feature_diagnostics(test_x).items()}
-    return {"knn": knn, "knn_k": k, "linear": probe["top1"], **diagnostics}
+    """kNN, the BN + linear probe and the diagnostics of :mod:`obow.evaluate.protocol` (no few-shot here)."""
+    return evaluate_backbone(backbone, train_set, test_set, k=k, temperature=temperature, shots=())
 
 
 def main() -> int:

@@ -7,6 +7,7 @@ obow eval knn|linear|fewshot|finetune --checkpoint runs/x/checkpoint.pt --data D
 obow export --checkpoint runs/x/checkpoint.pt --out backbone.pth --format torchvision
 obow show words|run|neighbours ...               # pictures of what a run learned
 obow import-official FILE --out CKPT             # the authors' released weights as an obow checkpoint
+obow tables [run NAME --data DIR --budget EPOCHS] # the paper's Tables 1-5 and MoCo v2 comparison, measured
 
 The parser imports nothing heavy (no PyTorch), so that ``obow --help`` and argument errors are instant; each
 command imports what it needs when it runs. ``key=value`` overrides may stand anywhere on the line.
@@ -91,6 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     add_import_parser(sub)
     add_show_parser(sub)
+
+    p = sub.add_parser("tables", help="list the paper's comparison tables, or run one (every row, same budget)")
+    p.set_defaults(func=cmd_tables_list)
+    tables = p.add_subparsers(title="table commands", metavar="run")
+    r = tables.add_parser("run", help="train and evaluate every row of a table; resumes, skips finished rows")
+    r.add_argument("name", help="table1 ... table5 or mocov2 (see `obow tables`)")
+    r.add_argument("--data", required=True, help="a folder with train/ and test/ (or val/) class folders")
+    r.add_argument("--budget", required=True, type=int, help="epochs of pretraining per row (the same for all)")
+    r.add_argument("--recipe", default="cifar10_fast", help="the base recipe, read as the paper's full setting")
+    r.add_argument("--out", default="runs/tables", help="output folder (default runs/tables)")
+    r.add_argument("--per-class", type=int, default=None, help="pretrain on the first N images of each class")
+    r.add_argument("--test-per-class", type=int, default=None, help="evaluate on the first N test images per class")
+    r.add_argument("--rows", nargs="+", default=None, help="only these rows (numbers, labels or folder names)")
+    r.add_argument("--k", type=int, default=200, help="kNN neighbours (default 200)")
+    r.add_argument("--episodes", type=int, default=200, help="few-shot episodes (default 200)")
+    r.add_argument("overrides", nargs="*", metavar="key=value", help="changes to the base recipe for every row")
+    r.set_defaults(func=cmd_tables_run)
     return parser
 
 
@@ -144,6 +162,39 @@ def cmd_recipes(args: argparse.Namespace) -> int:
         return 0
     for name, description in available_recipes().items():
         print(f"{name:30s} {description}")
+    return 0
+
+
+def cmd_tables_list(args: argparse.Namespace) -> int:
+    from obow.tables import list_tables
+
+    print(list_tables())
+    print("\nrun one: obow tables run NAME --data DIR --budget EPOCHS [--per-class N] [key=value ...]")
+    return 0
+
+
+def cmd_tables_run(args: argparse.Namespace) -> int:
+    from obow.tables import TABLES, markdown, run_table
+    from obow.train import Interrupted
+
+    try:
+        record = run_table(
+            args.name,
+            args.data,
+            args.budget,
+            recipe=args.recipe,
+            out=args.out,
+            per_class=args.per_class,
+            test_per_class=args.test_per_class,
+            rows=args.rows,
+            overrides=list(args.overrides),
+            k=args.k,
+            episodes=args.episodes,
+        )
+    except Interrupted:
+        return 130
+    print(markdown(record, TABLES[args.name].columns))
+    print(f"written: {Path(args.out) / args.name / 'table.md'} and table.json")
     return 0
 
 

@@ -1,0 +1,443 @@
+"""The paper's comparisons as commands: ``obow tables`` and ``obow tables run NAME --data DIR --budget EPOCHS``.
+
+Each table of the paper's analysis (Tables 1-5, ResNet-18 on 20% of ImageNet, 80 epochs) and the appendix
+comparison with MoCo v2 is a list of rows. Every row is the same base recipe (the ``--recipe``, read as the
+paper's *full* setting: ``conv4`` + ``conv5``, 2 crops + 5 patches) with the row's change applied, trained
+for the same reduced budget (``--budget`` epochs of the given images), then measured with one protocol
+(:mod:`obow.evaluate.protocol`: linear probe, few-shot episodes, kNN, effective rank) beside the paper's
+numbers. A "random init" row measures the base network at its own random initialisation (same seed), the
+reference every learning claim needs.
+
+How the paper's settings map onto the base recipe:
+
+* *vanilla*: ``model.levels=[conv5]``, one crop, no patches; *full*: the base recipe itself (with
+  ``model.levels=[conv4, conv5]``).
+* crop sizes: the paper's 224 px crop is the base's teacher view size, its 160 px crop the base's
+  ``views.crop_size`` and its 96 px patch the base's ``views.patch_size`` (for CIFAR-10: 40, 28 and 17 px).
+  The 224 px crop is a random-resized crop of scale (0.08, 1), torchvision's default.
+* Table 2's learning rates 0.03 and 0.01 (paper base 0.05) are 0.6 and 0.2 times the base ``optim.lr``.
+* Table 5's BoWNet is three stages within the row's budget, in the paper's proportions (40 + 80 + 80 of 200
+  epochs): RotNet pretraining of the teacher (one crop of the teacher-view size), then two BoWNet rounds
+  (hard codes, fixed linear head, k-means vocabulary of the previous stage's network), each stage at least one
+  epoch. OBoW rows get the same total budget (the paper gave BoWNet 200 epochs and OBoW 80).
+* MoCo v2 rows: ``moco.key_momentum=0.99`` (OBoW's teacher momentum, and what MoCo's CIFAR-10 demo uses; 0.999
+  would leave the key encoder at its initialisation over a few hundred steps) and a queue of the largest
+  multiple of the batch that is at most half the training images (and at most 65,536, MoCo's).
+* The warm-up keeps the base recipe's proportion of the run (``warmup_epochs * budget / epochs``).
+
+A table's folder holds one folder per row (``<out>/<table>/<row>/``, a pretraining run each, resumable) and
+``result.json`` per finished row; re-running the command evaluates only the missing rows, and ``--rows``
+picks some. ``table.json`` and ``table.md`` hold the whole table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("obow")
+
+#: The paper's columns and the protocol's keys.
+COLUMNS = {"1-shot": "fewshot_1", "5-shot": "fewshot_5", "linear": "linear"}
+
+VANILLA = ("model.levels=[conv5]", "views.num_crops=1", "views.num_patches=0")
+FULL = ("model.levels=[conv4, conv5]",)
+CROP_224 = ("views.num_crops=1", "views.crop_size={teacher_size}", "views.crop_scale=[0.08, 1.0]", "views.num_patches=0")
+BOWNET = ("model.method=bownet", "model.assignment=hard", "model.head=fixed", "model.levels=[conv5]")
+ROTNET = ("model.method=rotnet", *CROP_224)
+MOCO = ("model.method=mocov2", "moco.key_momentum=0.99", "moco.queue_size={moco_queue}")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pretraining run of a row: overrides on the base recipe and its share of the row's budget.
+    ``teacher`` stages take the previous stage's checkpoint as ``bownet.teacher``."""
+
+    name: str
+    overrides: tuple[str, ...]
+    share: float = 1.0
+    teacher: bool = False
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    overrides: tuple[str, ...] = ()
+    paper: dict[str, float | None] = field(default_factory=dict)
+    stages: tuple[Stage, ...] = ()
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "_", self.label.lower()).strip("_")
+
+    def plan(self) -> tuple[Stage, ...]:
+        return self.stages or (Stage("pretrain", self.overrides),)
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    title: str
+    note: str
+    rows: tuple[Row, ...]
+    columns: tuple[str, ...] = ("1-shot", "5-shot", "linear")
+
+
+def _paper(one: float | None, five: float | None, linear: float | None) -> dict[str, float | None]:
+    return {"1-shot": one, "5-shot": five, "linear": linear}
+
+
+def _bownet_stages(crop: tuple[str, ...]) -> tuple[Stage, ...]:
+    return (
+        Stage("rotnet", ROTNET, share=40 / 200),
+        Stage("round1", (*BOWNET, *crop), share=80 / 200, teacher=True),
+        Stage("round2", (*BOWNET, *crop), share=80 / 200, teacher=True),
+    )
+
+
+TABLES: dict[str, Table] = {
+    t.name: t
+    for t in (
+        Table(
+            "table1",
+            "Table 1: online vocabulary updates",
+            "vanilla in the first five rows, full (multi-scale) in the last two",
+            (
+                Row("k-means, rare-word replacement", (*VANILLA, "model.vocabulary=kmeans"), _paper(40.98, 60.35, 44.45)),
+                Row(
+                    "k-means, Sinkhorn balancing",
+                    (*VANILLA, "model.vocabulary=kmeans", "model.assignment=sinkhorn", "model.rare_word_steps=null"),
+                    _paper(37.20, 55.22, 39.74),
+                ),
+                Row("queue, local features", (*VANILLA, "model.queue_sampling=local"), _paper(40.29, 60.81, 44.39)),
+                Row(
+                    "queue, globally-averaged", (*VANILLA, "model.queue_sampling=global_average"), _paper(41.57, 62.54, 45.79)
+                ),
+                Row(
+                    "queue, locally-averaged", (*VANILLA, "model.queue_sampling=local_average"), _paper(42.11, 62.44, 45.86)
+                ),
+                Row(
+                    "multi-scale, globally-averaged",
+                    (*FULL, "model.queue_sampling=global_average"),
+                    _paper(41.29, 63.09, 49.40),
+                ),
+                Row(
+                    "multi-scale, locally-averaged", (*FULL, "model.queue_sampling=local_average"), _paper(44.18, 64.89, 50.89)
+                ),
+            ),
+        ),
+        Table(
+            "table2",
+            "Table 2: teacher momentum alpha (vanilla)",
+            "constant alpha unless annealed; lr relative to the base recipe's (paper: 0.05)",
+            (
+                Row("alpha 0.99 -> 1 (cosine), lr x1", VANILLA, _paper(42.11, 62.44, 45.86)),
+                *(
+                    Row(
+                        f"alpha {a}, lr x1",
+                        (*VANILLA, f"model.teacher_momentum={a}", "model.teacher_momentum_schedule=constant"),
+                        _paper(*p),
+                    )
+                    for a, p in (
+                        ("0.999", (40.87, 61.41, 45.76)),
+                        ("0.99", (41.19, 61.65, 46.25)),
+                        ("0.9", (40.79, 60.92, 44.89)),
+                        ("0.5", (12.70, 23.20, 15.41)),
+                        ("0.0", (13.19, 24.85, 17.47)),
+                    )
+                ),
+                Row(
+                    "alpha 0.5, lr x0.6",
+                    (*VANILLA, "model.teacher_momentum=0.5", "model.teacher_momentum_schedule=constant", "optim.lr={lr_x06}"),
+                    _paper(39.52, 60.18, 43.82),
+                ),
+                Row(
+                    "alpha 0.0, lr x0.2",
+                    (*VANILLA, "model.teacher_momentum=0.0", "model.teacher_momentum_schedule=constant", "optim.lr={lr_x02}"),
+                    _paper(33.80, 55.02, 39.90),
+                ),
+            ),
+        ),
+        Table(
+            "table3",
+            "Table 3: soft vs hard codes, dynamic vs fixed head (vanilla)",
+            "hard codes with a fixed head is not in the paper",
+            (
+                Row("soft, dynamic", (*VANILLA, "model.assignment=soft", "model.head=dynamic"), _paper(42.11, 62.44, 45.86)),
+                Row("hard, dynamic", (*VANILLA, "model.assignment=hard", "model.head=dynamic"), _paper(38.61, 59.98, 44.64)),
+                Row("soft, fixed", (*VANILLA, "model.assignment=soft", "model.head=fixed"), _paper(2.00, 2.00, 0.10)),
+                Row("hard, fixed", (*VANILLA, "model.assignment=hard", "model.head=fixed"), _paper(None, None, None)),
+            ),
+        ),
+        Table(
+            "table4",
+            "Table 4: image crops and multi-scale BoW",
+            "224 / 160 / 96 px are the base's teacher view, crop and patch sizes",
+            (
+                Row("1 x 224", ("model.levels=[conv5]", *CROP_224), _paper(None, None, 31.39)),
+                Row("1 x 224 + cutmix", ("model.levels=[conv5]", *CROP_224, "model.cutmix=true"), _paper(None, None, 39.46)),
+                Row("1 x 160", VANILLA, _paper(None, None, 45.86)),
+                Row("2 x 160", ("model.levels=[conv5]", "views.num_crops=2", "views.num_patches=0"), _paper(None, None, 47.64)),
+                Row("5 x 96", ("model.levels=[conv5]", "views.num_crops=0", "views.num_patches=5"), _paper(None, None, 44.24)),
+                Row(
+                    "2 x 160 + 5 x 96",
+                    ("model.levels=[conv5]", "views.num_crops=2", "views.num_patches=5"),
+                    _paper(None, None, 49.64),
+                ),
+                Row(
+                    "2 x 160, multi-scale",
+                    (*FULL, "views.num_crops=2", "views.num_patches=0"),
+                    _paper(None, None, 49.00),
+                ),
+                Row(
+                    "2 x 160 + 5 x 96, multi-scale",
+                    (*FULL, "views.num_crops=2", "views.num_patches=5"),
+                    _paper(None, None, 50.89),
+                ),
+            ),
+        ),
+        Table(
+            "table5",
+            "Table 5: BoWNet vs OBoW",
+            "BoWNet = RotNet teacher + two BoWNet rounds (40 + 80 + 80 of 200 parts of the budget)",
+            (
+                Row("BoWNet", paper=_paper(33.80, 55.02, 41.30), stages=_bownet_stages((*CROP_224, "model.cutmix=true"))),
+                Row("BoWNet (160 crops)", paper=_paper(29.26, 49.68, 43.59), stages=_bownet_stages(VANILLA[1:])),
+                Row("OBoW (vanilla)", VANILLA, _paper(42.11, 62.44, 45.86)),
+                Row("OBoW (full)", FULL, _paper(44.18, 64.89, 50.89)),
+            ),
+        ),
+        Table(
+            "mocov2",
+            "Appendix: MoCo v2 with the same augmentations",
+            "MoCo v2 (our aug.): every OBoW crop and patch is a query against the key of the teacher view",
+            (
+                Row("OBoW (vanilla)", VANILLA, _paper(42.11, 62.44, 45.86)),
+                Row("OBoW (full)", FULL, _paper(44.18, 64.89, 50.89)),
+                Row("MoCo v2", (*MOCO, "moco.augmentation=mocov2"), _paper(24.75, 43.89, 35.00)),
+                Row("MoCo v2 (our aug.)", (*MOCO, "moco.augmentation=ours", *FULL), _paper(36.90, 55.87, 43.13)),
+            ),
+        ),
+    )
+}
+
+
+def list_tables() -> str:
+    lines = []
+    for t in TABLES.values():
+        lines.append(f"{t.name:8s} {t.title} ({len(t.rows)} rows; {t.note})")
+        lines.extend(f"           - {r.label}" for r in t.rows)
+    return "\n".join(lines)
+
+
+def _fill(overrides: tuple[str, ...], values: dict[str, Any]) -> list[str]:
+    return [item.format(**values) if "{" in item else item for item in overrides]
+
+
+def _placeholders(base: Any, train_images: int) -> dict[str, Any]:
+    half = min(65536, train_images // 2)
+    queue = max(base.data.batch_size, half // base.data.batch_size * base.data.batch_size)
+    return {
+        "teacher_size": base.views.teacher_size,
+        "lr_x06": base.optim.lr * 0.6,
+        "lr_x02": base.optim.lr * 0.2,
+        "moco_queue": queue,
+    }
+
+
+def select_rows(table: Table, wanted: list[str] | None) -> list[Row]:
+    """The rows named in ``wanted`` (labels, slugs or 1-based numbers), all rows when ``None``."""
+    if not wanted:
+        return list(table.rows)
+    out = []
+    for item in wanted:
+        match = [
+            r
+            for i, r in enumerate(table.rows, start=1)
+            if item in (r.label, r.slug, str(i))
+        ]
+        if not match:
+            choices = ", ".join(f"{i} ({r.slug})" for i, r in enumerate(table.rows, start=1))
+            raise ValueError(f"{table.name} has no row {item!r}; rows: {choices}")
+        out.extend(m for m in match if m not in out)
+    return out
+
+
+def run_table(
+    name: str,
+    data: str | Path,
+    budget: int,
+    *,
+    recipe: str = "cifar10_fast",
+    out: str | Path = "runs/tables",
+    per_class: int | None = None,
+    test_per_class: int | None = None,
+    rows: list[str] | None = None,
+    overrides: list[str] | None = None,
+    k: int = 200,
+    temperature: float = 0.1,
+    episodes: int = 200,
+) -> dict[str, Any]:
+    """Train and evaluate the rows of table ``name`` (see the module docstring); returns the table's record,
+    also written to ``<out>/<name>/table.json`` and ``table.md``."""
+    from obow.config import load_config
+    from obow.data import scan_images
+    from obow.evaluate.features import align_classes, eval_dataset, load_backbone
+    from obow.evaluate.protocol import evaluate_backbone
+
+    if name not in TABLES:
+        raise ValueError(f"unknown table {name!r}; choose one of: {', '.join(TABLES)}")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"--budget must be a whole number of epochs >= 1, got {budget!r}")
+    table = TABLES[name]
+    data = Path(data)
+    train_dir = data / "train"
+    test_dir = next((data / d for d in ("test", "val") if (data / d).is_dir()), None)
+    if not train_dir.is_dir() or test_dir is None:
+        raise ValueError(f"{data} must hold train/ and test/ (or val/) folders of class folders")
+    common = [
+        f"data.path={train_dir}",
+        "train.knn_every=0",
+        "train.progress_bar=false",
+        *(overrides or []),
+    ]
+    if per_class is not None:
+        common.append(f"data.images_per_class={per_class}")
+    base = load_config(recipe, common)
+    train_images = scan_images(train_dir, "folders", base.data.images_per_class)
+    test_images = align_classes(train_images, scan_images(test_dir, "folders", test_per_class))
+    train_set, test_set = eval_dataset(train_images, base.views), eval_dataset(test_images, base.views)
+    values = _placeholders(base, len(train_images))
+    protocol = {"k": k, "temperature": temperature, "episodes": episodes}
+    folder = Path(out) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if base.train.device != "cpu" and _cuda() else "cpu"
+
+    def finished(slug: str) -> dict[str, Any] | None:
+        path = folder / slug / "result.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    reference = finished("random_init")
+    if reference is None:
+        net, _ = load_backbone(
+            random_init=True,
+            arch=base.model.arch,
+            stem=base.model.stem,
+            seed=base.train.seed,
+            arch_options=base.model.arch_options,
+        )
+        reference = {
+            "label": "random init",
+            "slug": "random_init",
+            "scores": evaluate_backbone(net, train_set, test_set, device=device, **protocol),
+            "steps": 0,
+            "minutes": 0.0,
+        }
+        _write(folder / "random_init" / "result.json", reference)
+
+    results = {}
+    for row in select_rows(table, rows):
+        done = finished(row.slug)
+        if done is None:
+            done = _run_row(row, folder / row.slug, recipe, common, values, budget, base)
+            net, _ = load_backbone(done.pop("checkpoint"))
+            done["scores"] = evaluate_backbone(net, train_set, test_set, device=device, **protocol)
+            _write(folder / row.slug / "result.json", done)
+        results[row.slug] = done
+        log.info("%s: %s done", name, row.label)
+    record = {
+        "table": name,
+        "title": table.title,
+        "note": table.note,
+        "recipe": recipe,
+        "budget_epochs": budget,
+        "train_images": len(train_images),
+        "test_images": len(test_images),
+        "protocol": protocol,
+        "overrides": list(overrides or []),
+        "random_init": reference,
+        "rows": [],
+    }
+    for r in table.rows:  # rows of this call, and rows finished by earlier calls (--rows)
+        done = results.get(r.slug) or finished(r.slug)
+        if done is not None:
+            record["rows"].append({**done, "paper": r.paper})
+    _write(folder / "table.json", record)
+    (folder / "table.md").write_text(markdown(record, table.columns))
+    return record
+
+
+def _run_row(
+    row: Row, folder: Path, recipe: str, common: list[str], values: dict, budget: int, base: Any
+) -> dict[str, Any]:
+    from obow.config import load_config
+    from obow.train import pretrain
+
+    checkpoint, steps, seconds = None, 0, 0.0
+    stages = row.plan()
+    for stage in stages:
+        epochs = max(1, round(budget * stage.share))
+        warmup = base.optim.warmup_epochs * epochs / base.optim.epochs
+        items = [*common, *_fill(stage.overrides, values), f"optim.epochs={epochs}", f"optim.warmup_epochs={warmup}"]
+        if stage.teacher:
+            items.append(f"bownet.teacher={checkpoint}")
+        cfg = load_config(recipe, items)
+        run_dir = folder if len(stages) == 1 else folder / stage.name
+        start = time.time()
+        summary = pretrain(cfg, run_dir)
+        seconds += time.time() - start
+        checkpoint, steps = summary["checkpoint"], steps + summary["iteration"]
+    return {"label": row.label, "slug": row.slug, "checkpoint": checkpoint, "steps": steps, "minutes": seconds / 60}
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _write(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2))
+    tmp.replace(path)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
+    """The table: the paper's numbers beside this run's, then kNN and effective rank, and a random-init row."""
+    paper_cols = " | ".join(f"paper {c}" for c in columns)
+    ours_cols = " | ".join(columns)
+    lines = [
+        f"### {record['title']}",
+        "",
+        f"{record['note']}. Recipe `{record['recipe']}`, {record['budget_epochs']} epoch(s) per row on "
+        f"{record['train_images']} training images; evaluated on {record['test_images']} test images (kNN k="
+        f"{record['protocol']['k']}, T={record['protocol']['temperature']}; few-shot {record['protocol']['episodes']} "
+        "episodes).",
+        "",
+        f"| row | {paper_cols} | {ours_cols} | kNN | eff. rank | steps | train min |",
+        "|---|" + "---|" * (2 * len(columns) + 4),
+    ]
+
+    def line(label: str, paper: dict, result: dict) -> str:
+        s = result["scores"]
+        theirs = " | ".join(_fmt(paper.get(c)) for c in columns)
+        ours = " | ".join(_fmt(s.get(COLUMNS[c])) for c in columns)
+        return (
+            f"| {label} | {theirs} | {ours} | {_fmt(s.get('knn'))} | {_fmt(s.get('effective_rank'))} | "
+            f"{result['steps']} | {result['minutes']:.1f} |"
+        )
+
+    lines.append(line("random init (same network)", {}, record["random_init"]))
+    for r in record["rows"]:
+        lines.append(line(r["label"], r["paper"], r))
+    return "\n".join(lines) + "\n"

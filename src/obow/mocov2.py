@@ -65,7 +65,9 @@ def info_nce_loss(queries: Tensor, keys: Tensor, queue: Tensor, temperature: flo
     if queries.dim() != 2 or keys.shape != queries.shape:
         raise ValueError(f"queries and keys must both be [N, D], got {tuple(queries.shape)} and {tuple(keys.shape)}")
     if queue.dim() != 2 or queue.shape[1] != queries.shape[1]:
-        raise ValueError(f"queue must be [Q, D] with D={queries.shape[1]} (the queries' width), got {tuple(queue.shape)}")
+        raise ValueError(
+            f"queue must be [Q, D] with D={queries.shape[1]} (the queries' width), got {tuple(queue.shape)}"
+        )
     check_positive("temperature", temperature)
     q, k, negatives = at_least_float32(queries), at_least_float32(keys), at_least_float32(queue)
     positive = (q * k.to(q.dtype)).sum(dim=1, keepdim=True)
@@ -119,7 +121,8 @@ class MoCoV2(nn.Module):
         for name, value in (("dim", dim), ("queue_size", queue_size), ("total_iterations", total_iterations)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if hidden_dim is not None and (isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim < 1):
+        bad_hidden = isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim < 1
+        if hidden_dim is not None and bad_hidden:
             raise ValueError(f"hidden_dim must be a positive integer or None, got {hidden_dim!r}")
         check_positive("temperature", temperature)
         check_unit_interval("key_momentum", key_momentum)

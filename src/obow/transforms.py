@@ -205,7 +205,9 @@ class MoCoV2Views:
     def __init__(self, cfg: ViewsConfig, crop_scale: Sequence[float] = (0.2, 1.0)) -> None:
         low, high = crop_scale
         if not 0 < low <= high <= 1:
-            raise ValueError(f"MoCoV2Views crop_scale must be (low, high) with 0 < low <= high <= 1, got {tuple(crop_scale)}")
+            raise ValueError(
+                f"MoCoV2Views crop_scale must be (low, high) with 0 < low <= high <= 1, got {tuple(crop_scale)}"
+            )
         self.view = v2.Compose(
             [
                 v2.RandomResizedCrop(cfg.teacher_size, scale=(float(low), float(high))),

@@ -1,4 +1,4 @@
-"""MoCo v2, the paper's appendix baseline ("Comparing with MoCo for the same image augmentations", Table 9).
+"""MoCo v2, the paper's appendix baseline (appendix "Comparing with MoCo for the same image augmentations").
 
 A query encoder (``student`` backbone + ``projector``) is trained to tell each image's key, computed by a
 momentum key encoder (``teacher`` + ``key_projector``), apart from a queue of keys of earlier batches, with

@@ -14,6 +14,7 @@ _EXPORTS = {
     "DynamicBoWPredictor": "obow.predictor",
     "FixedBoWPredictor": "obow.predictor",
     "KMeansVocabulary": "obow.vocabulary",
+    "MoCoV2": "obow.mocov2",
     "ModelConfig": "obow.config",
     "OBoW": "obow.method",
     "QueueVocabulary": "obow.vocabulary",
@@ -32,6 +33,7 @@ __all__ = [
     "DynamicBoWPredictor",
     "FixedBoWPredictor",
     "KMeansVocabulary",
+    "MoCoV2",
     "ModelConfig",
     "OBoW",
     "QueueVocabulary",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from obow.bow import BoWExtractor
     from obow.config import ModelConfig
     from obow.method import OBoW, bow_loss
+    from obow.mocov2 import MoCoV2
     from obow.predictor import DynamicBoWPredictor, FixedBoWPredictor, WeightGenerator
     from obow.vocabulary import KMeansVocabulary, QueueVocabulary, Vocabulary
 

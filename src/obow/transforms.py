@@ -190,3 +190,35 @@ class OBoWViews:
 def eval_transform(resize: int, size: int, mean: Sequence[float], std: Sequence[float]) -> v2.Compose:
     """Deterministic view for feature extraction during evaluation: Resize -> CenterCrop -> normalise."""
     return v2.Compose([v2.Resize(resize), v2.CenterCrop(size), *_to_normalized_tensor(mean, std)])
+
+
+class MoCoV2Views:
+    """MoCo v2's two views of one image (Chen et al. 2020): independent draws of the same augmentation.
+
+    Each view: RandomResizedCrop(``views.teacher_size``, scale ``crop_scale``) -> colour jitter (with
+    ``views.color_jitter_prob``) -> grayscale (``views.grayscale_prob``) -> PIL Gaussian blur
+    (``views.blur_sigma``, with ``views.blur_prob``) -> horizontal flip -> normalise (``views.mean`` /
+    ``views.std``). Returns ``{"teacher": [3, T, T], "crops": [1, 3, T, T]}``: the key view and the query view,
+    in the batch structure of :class:`OBoWViews` (one student group of one view).
+    """
+
+    def __init__(self, cfg: ViewsConfig, crop_scale: Sequence[float] = (0.2, 1.0)) -> None:
+        low, high = crop_scale
+        if not 0 < low <= high <= 1:
+            raise ValueError(
+                f"MoCoV2Views crop_scale must be (low, high) with 0 < low <= high <= 1, got {tuple(crop_scale)}"
+            )
+        self.view = v2.Compose(
+            [
+                v2.RandomResizedCrop(cfg.teacher_size, scale=(float(low), float(high))),
+                *_photometric(cfg),
+                v2.RandomApply([GaussianBlur(cfg.blur_sigma)], p=cfg.blur_prob),
+                v2.RandomHorizontalFlip(),
+                *_to_normalized_tensor(cfg.mean, cfg.std),
+            ]
+        )
+
+    def __call__(self, img: Image.Image) -> dict[str, torch.Tensor]:
+        key = self.view(img)
+        query = self.view(img)
+        return {"teacher": key, "crops": query.unsqueeze(0)}

@@ -1,0 +1,297 @@
+"""MoCo v2, the paper's appendix baseline (appendix "Comparing with MoCo for the same image augmentations").
+
+A query encoder (``student`` backbone + ``projector``) is trained to tell each image's key, computed by a
+momentum key encoder (``teacher`` + ``key_projector``), apart from a queue of keys of earlier batches, with
+the InfoNCE loss (:func:`info_nce_loss`). One call of :meth:`MoCoV2.forward` in training mode is one step:
+
+1. the key encoder becomes ``m * key + (1 - m) * query`` (parameters only; its batch-norm statistics are its
+   own, as for OBoW's teacher), with the constant ``m = moco.key_momentum``;
+2. keys = ``normalize(key_projector(teacher(teacher_images).pool5))``, without gradient, with MoCo's
+   shuffled batch norm across processes (:meth:`MoCoV2.compute_keys`);
+3. every student view of every group is a query, contrasted with its image's key (the positive) and the
+   queue (the negatives: the queue *before* this step's keys are added); a group's loss is the mean over its
+   views, and the groups are combined as OBoW's (``model.loss_weighting``: ``group_sum`` sums the group
+   means, ``view_mean`` averages over all views);
+4. this step's keys of all processes, in rank order, replace the oldest entries of the queue (FIFO).
+
+The caller does the backward pass and the optimiser step.
+
+What follows MoCo v2 (Chen, Fan, Girshick, He, "Improved baselines with momentum contrastive learning",
+2020): the 2-layer MLP head (``Linear(F, F) -> ReLU -> Linear(F, 128)``, ``moco.hidden_dim: null`` makes the
+hidden layer as wide as the backbone's features), the temperature 0.2, the queue of negatives, the key
+momentum 0.999, the augmentation with Gaussian blur and crop scale (0.2, 1) (:class:`obow.transforms.
+MoCoV2Views`, ``moco.augmentation: mocov2``) and shuffled batch norm. The cosine learning rate and the SGD
+settings are the recipe's (``optim``), not this module's.
+
+What differs or is a choice here:
+
+* ``moco.augmentation: ours`` (the paper's "MoCo v2 (our aug.)"): OBoW's views; the teacher's centre crop is
+  the key view and every crop and patch is a query (MoCo v2 has exactly one query per key);
+* the queue size (65536 for ImageNet in MoCo) is the recipe's: on small data sets a queue larger than the
+  data set would hold several keys of the same image. It must be a multiple of the global batch;
+* one process: shuffled batch norm is a no-op (MoCo's is across GPUs only). With ``train.sync_batchnorm`` on
+  GPUs the key encoder's batch norm is synchronised and the shuffle changes nothing, but does no harm;
+* the key-encoder momentum is constant (MoCo v2), whatever ``model.teacher_momentum_schedule`` says.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from obow import distributed as D
+from obow.backbones import build_backbone
+from obow.bow import at_least_float32
+from obow.config import LOSS_WEIGHTINGS, Config
+from obow.diagnostics import feature_diagnostics
+from obow.method import OBoWOutput
+from obow.validation import check_choice, check_positive, check_unit_interval
+
+
+def info_nce_loss(queries: Tensor, keys: Tensor, queue: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """MoCo's InfoNCE loss and its instance-discrimination top-1 accuracy.
+
+    ``queries`` and ``keys`` are ``[N, D]`` (row ``i`` of ``keys`` is the positive of query ``i``), ``queue``
+    is ``[Q, D]`` (one negative key per row). All three are used as given: the caller L2-normalises them, so
+    the logits are cosine similarities ``[q . k+, q . queue_1, ..., q . queue_Q] / temperature``. The loss is
+    the cross-entropy with the positive at index 0, averaged over the ``N`` queries; the accuracy (percent) is
+    the share of queries whose largest logit is the positive (a tie counts for the positive). Computed in at
+    least float32. Gradients flow to every input that requires them (MoCo's keys and queue do not).
+    """
+    if queries.dim() != 2 or keys.shape != queries.shape:
+        raise ValueError(f"queries and keys must both be [N, D], got {tuple(queries.shape)} and {tuple(keys.shape)}")
+    if queue.dim() != 2 or queue.shape[1] != queries.shape[1]:
+        raise ValueError(
+            f"queue must be [Q, D] with D={queries.shape[1]} (the queries' width), got {tuple(queue.shape)}"
+        )
+    check_positive("temperature", temperature)
+    q, k, negatives = at_least_float32(queries), at_least_float32(keys), at_least_float32(queue)
+    positive = (q * k.to(q.dtype)).sum(dim=1, keepdim=True)
+    logits = torch.cat([positive, q @ negatives.to(q.dtype).t()], dim=1) / temperature
+    loss = F.cross_entropy(logits, torch.zeros(len(q), dtype=torch.long, device=q.device))
+    with torch.no_grad():
+        accuracy = (logits.argmax(dim=1) == 0).float().mean() * 100
+    return loss, accuracy
+
+
+def projection_head(in_dim: int, hidden_dim: int, out_dim: int) -> nn.Sequential:
+    """MoCo v2's MLP head: ``Linear(in, hidden) -> ReLU -> Linear(hidden, out)`` (no batch norm)."""
+    return nn.Sequential(nn.Linear(in_dim, hidden_dim), nn.ReLU(inplace=True), nn.Linear(hidden_dim, out_dim))
+
+
+class MoCoV2(nn.Module):
+    """Query encoder (``student`` + ``projector``), momentum key encoder (``teacher`` + ``key_projector``) and
+    a queue of negative keys.
+
+    Args:
+        student: the backbone being trained (``pool5`` features of ``student.num_features`` channels); the
+            key encoder starts as an exact copy and never gets gradients.
+        dim: width of the keys and queries (128).
+        hidden_dim: the head's hidden width; ``None``: ``student.num_features`` (MoCo v2).
+        queue_size: number of negative keys ``Q`` (a multiple of the global batch).
+        temperature: the logits' temperature (0.2).
+        key_momentum: ``m`` of the key encoder's update ``m * key + (1 - m) * query`` (0.999).
+        total_iterations: length of the run (kept for the method contract; the momentum is constant).
+        loss_weighting: ``"group_sum"`` (OBoW's official combination of view groups) or ``"view_mean"``.
+
+    Buffers: ``queue`` ``[Q, dim]`` (rows: keys, L2-normalised; random unit vectors at the start, as in MoCo),
+    ``queue_ptr`` (the row the next keys are written to) and ``iteration`` (training steps done).
+    """
+
+    #: The training loop may call :meth:`forward` group by group (``group=0, 1, ...``).
+    supports_groups = True
+
+    def __init__(
+        self,
+        student: nn.Module,
+        *,
+        dim: int = 128,
+        hidden_dim: int | None = None,
+        queue_size: int = 65536,
+        temperature: float = 0.2,
+        key_momentum: float = 0.999,
+        total_iterations: int = 1,
+        loss_weighting: str = "group_sum",
+    ) -> None:
+        super().__init__()
+        for name, value in (("dim", dim), ("queue_size", queue_size), ("total_iterations", total_iterations)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        bad_hidden = isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim < 1
+        if hidden_dim is not None and bad_hidden:
+            raise ValueError(f"hidden_dim must be a positive integer or None, got {hidden_dim!r}")
+        check_positive("temperature", temperature)
+        check_unit_interval("key_momentum", key_momentum)
+        check_choice("loss_weighting", loss_weighting, LOSS_WEIGHTINGS)
+        width = student.num_features
+        self.student = student
+        self.teacher = copy.deepcopy(student).requires_grad_(False)
+        self.projector = projection_head(width, hidden_dim or width, dim)
+        self.key_projector = copy.deepcopy(self.projector).requires_grad_(False)
+        self.temperature = float(temperature)
+        self.key_momentum = float(key_momentum)
+        self.total_iterations = total_iterations
+        self.loss_weighting = loss_weighting
+        self.register_buffer("queue", F.normalize(torch.randn(queue_size, dim), dim=1))
+        self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long))
+        self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
+        self._pending: dict | None = None  # the key side of a step computed group by group
+
+    @classmethod
+    def from_config(cls, cfg: Config, total_iterations: int) -> MoCoV2:
+        """The model of a whole :class:`~obow.config.Config`: ``model`` (backbone, loss weighting) and ``moco``."""
+        m, moco = cfg.model, cfg.moco
+        return cls(
+            build_backbone(m.arch, m.stem, m.arch_options),
+            dim=moco.dim,
+            hidden_dim=moco.hidden_dim,
+            queue_size=moco.queue_size,
+            temperature=moco.temperature,
+            key_momentum=moco.key_momentum,
+            total_iterations=total_iterations,
+            loss_weighting=m.loss_weighting,
+        )
+
+    @torch.no_grad()
+    def update_key_encoder(self, momentum: float) -> None:
+        """``key <- momentum * key + (1 - momentum) * query`` over the parameters of the backbone and the head;
+        the key encoder's batch-norm statistics are its own."""
+        if momentum >= 1.0:
+            return
+        keys = [*self.teacher.parameters(), *self.key_projector.parameters()]
+        queries = [p.detach() for p in (*self.student.parameters(), *self.projector.parameters())]
+        torch._foreach_lerp_(keys, queries, 1.0 - momentum)
+
+    @torch.no_grad()
+    def compute_keys(self, images: Tensor) -> tuple[Tensor, Tensor]:
+        """``(local keys [b, dim], every process's keys [world * b, dim] in rank order)``, L2-normalised.
+
+        With several processes this is MoCo's shuffled batch norm: the global batch is gathered, permuted by a
+        permutation drawn on rank 0 and broadcast, each process encodes its slice of the permuted batch (so
+        the key encoder's batch statistics mix images of all processes, and a query cannot find its key by
+        the statistics of its own small batch), then the keys are gathered and put back in the original order.
+        Every process must hold the same number of images. With one process the batch is encoded as it is.
+        """
+        if not D.is_distributed():
+            keys = self._encode_keys(images)
+            return keys, keys
+        rank, local = D.rank(), images.shape[0]
+        everything = D.all_gather_cat(images)
+        perm = torch.randperm(everything.shape[0], device=images.device)
+        D.broadcast_(perm, src=0)
+        mine = slice(rank * local, (rank + 1) * local)
+        shuffled_keys = D.all_gather_cat(self._encode_keys(everything[perm[mine]]))
+        all_keys = torch.empty_like(shuffled_keys)
+        all_keys[perm] = shuffled_keys  # row j of shuffled_keys is the key of image perm[j]
+        return all_keys[mine], all_keys
+
+    def _encode_keys(self, images: Tensor) -> Tensor:
+        return F.normalize(at_least_float32(self.key_projector(self.teacher(images).pool5)), dim=1)
+
+    @torch.no_grad()
+    def enqueue(self, keys: Tensor) -> None:
+        """Write ``keys`` ``[n, dim]`` (every process's, in rank order) over the oldest rows of the queue."""
+        size, n = self.queue.shape[0], keys.shape[0]
+        if size % n != 0:
+            raise RuntimeError(
+                f"the queue ({size} keys) must be a multiple of the keys enqueued per step ({n}, the global batch): "
+                "set moco.queue_size to a multiple of data.batch_size"
+            )
+        ptr = int(self.queue_ptr)
+        self.queue[ptr : ptr + n] = keys.to(self.queue.dtype)
+        self.queue_ptr.fill_((ptr + n) % size)
+
+    def forward(
+        self,
+        teacher_images: Tensor,
+        student_views: Sequence[Tensor],
+        group: int | None = None,
+        grad_scale: float = 1.0,
+    ) -> OBoWOutput:
+        """One step's maths. ``student_views``: one tensor per view group, ``[B, n, 3, h, w]`` or ``[B, 3, h, w]``.
+
+        In training mode this updates the key encoder and, after the last group, the queue; in evaluation mode
+        neither changes. ``group=None`` computes the whole loss; ``group=g`` only group ``g``'s term, for
+        ``g = 0, 1, ...`` in order with the same arguments (group 0 computes the keys and snapshots the queue,
+        the last group enqueues), each followed by the caller's backward pass. The groups share no graph
+        (keys and queue carry no gradient), so ``grad_scale`` is not needed and is ignored.
+
+        ``targets`` of the output: ``{"keys": [B, dim]}``, the keys of this process's images.
+        """
+        groups = _check_views(teacher_images, student_views)
+        if group is not None and not 0 <= group < len(groups):
+            raise ValueError(f"group={group} is out of range for {len(groups)} view groups")
+        if group is None or group == 0:
+            state = self._key_side(teacher_images)
+            if group == 0:
+                self._pending = state
+        else:
+            if self._pending is None:
+                raise RuntimeError("call forward with group=0 before the other groups of a step")
+            state = self._pending
+
+        metrics = dict(state["metrics"]) if group in (None, 0) else {}
+        loss = teacher_images.new_zeros((), dtype=torch.float32)
+        for g in range(len(groups)) if group is None else [group]:
+            loss = loss + self._group_loss(g, groups, state, metrics)
+        metrics["loss"] = loss.detach()
+        if group is None or group == len(groups) - 1:
+            metrics["moco/accuracy"] = state["correct"] / state["count"] * 100
+            if self.training:
+                self.enqueue(state["all_keys"])
+            self._pending = None
+        return OBoWOutput(loss=loss, metrics=metrics, targets={"keys": state["keys"]})
+
+    def _key_side(self, teacher_images: Tensor) -> dict:
+        """Key-encoder update, this step's keys, and the queue as it is before they are added."""
+        metrics: dict[str, Tensor] = {}
+        if self.training:
+            self.update_key_encoder(self.key_momentum)
+            self.iteration += 1
+            metrics["teacher_momentum"] = torch.tensor(self.key_momentum)
+        keys, all_keys = self.compute_keys(teacher_images)
+        return {
+            "metrics": metrics,
+            "keys": keys,
+            "all_keys": all_keys,
+            # a copy: the enqueue writes into the buffer while the groups' graphs still hold the negatives
+            "negatives": self.queue.clone(),
+            "correct": torch.zeros((), device=keys.device),
+            "count": 0,
+        }
+
+    def _group_loss(self, g: int, groups: list[Tensor], state: dict, metrics: dict) -> Tensor:
+        """Group ``g``'s term: mean InfoNCE over its views, weighted as ``loss_weighting`` says."""
+        views = groups[g]
+        n = views.shape[1]
+        features = self.student(views.flatten(0, 1)).pool5
+        if g == 0 and features.shape[0] > 1:  # collapse diagnostics, on the first group's views
+            metrics.update({f"student/{k}": v for k, v in feature_diagnostics(features).items()})
+        queries = F.normalize(at_least_float32(self.projector(features)), dim=1)
+        keys = state["keys"].repeat_interleave(n, dim=0)  # the views are image-major: image i's views are rows i*n..
+        group_loss, accuracy = info_nce_loss(queries, keys, state["negatives"], self.temperature)
+        metrics[f"loss/group{g}"] = group_loss.detach()
+        metrics[f"moco/accuracy/group{g}"] = accuracy
+        state["correct"] = state["correct"] + accuracy / 100 * len(queries)
+        state["count"] += len(queries)
+        if self.loss_weighting == "group_sum":
+            return group_loss
+        return group_loss * (n / sum(v.shape[1] for v in groups))
+
+
+def _check_views(teacher_images: Tensor, student_views: Sequence[Tensor]) -> list[Tensor]:
+    if len(student_views) == 0:
+        raise ValueError("student_views must hold at least one group of views")
+    batch = teacher_images.shape[0]
+    groups = [v if v.dim() == 5 else v.unsqueeze(1) for v in student_views]
+    for i, views in enumerate(groups):
+        if views.dim() != 5 or views.shape[0] != batch:
+            raise ValueError(
+                f"student_views[{i}] must be [B, n, 3, h, w] or [B, 3, h, w] with B={batch} "
+                f"(the teacher batch), got {tuple(student_views[i].shape)}"
+            )
+    return groups

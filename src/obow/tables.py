@@ -366,7 +366,7 @@ def run_table(
     for r in table.rows:  # rows of this call, and rows finished by earlier calls (--rows)
         done = results.get(r.slug) or finished(r.slug)
         if done is not None:
-            record["rows"].append({**done, "paper": r.paper})
+            record["rows"].append({**done, "label": r.label, "paper": r.paper})
     _write(folder / "table.json", record)
     (folder / "table.md").write_text(markdown(record, table.columns))
     return record

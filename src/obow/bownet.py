@@ -147,8 +147,8 @@ class BoWNet(OBoW):
 
     Buffers: ``vocabulary_ready`` (false until :meth:`prepare` or :meth:`set_vocabularies` has written the
     words; a step before that raises), ``iteration``, and the extractors' words and temperature statistics.
-    The teacher's weights are part of the ``state_dict`` too, so a resumed run does not depend on the
-    teacher file having stayed the same.
+    The teacher's weights are part of the ``state_dict`` too, so a resumed run continues with the teacher it
+    started with even if the file changed since (:meth:`from_config` still reads the file, which must exist).
 
     Args:
         student: the backbone being trained.

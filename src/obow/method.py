@@ -8,7 +8,8 @@ One call of :meth:`OBoW.forward` in training mode is the maths of one training s
 3. the teacher maps the unperturbed images to one BoW target per level, updating the temperature
    statistics, then the vocabularies (so ``V_{t+1}`` only takes effect at the next step);
 4. each group of student views (e.g. 2 x 160 px crops, 5 x 96 px patches) goes through the student on its
-   own, and its ``pool5`` features predict every level's BoW through the head over ``V_t``;
+   own (cut-mixed with another image of the batch when ``cutmix``, its targets mixed by area), and its
+   ``pool5`` features predict every level's BoW through the head over ``V_t``;
 5. the loss: KL(target || prediction), averaged over a group's views and over levels, summed over groups
    (official notes 2.8); ``loss_weighting="view_mean"`` averages over all views instead.
 
@@ -28,6 +29,8 @@ from torch import Tensor, nn
 from obow.backbones import build_backbone
 from obow.bow import BoWExtractor, BoWTargets, at_least_float32
 from obow.config import LOSS_WEIGHTINGS, MOMENTUM_SCHEDULES, ModelConfig
+from obow.cutmix import cutmix as cutmix_views
+from obow.cutmix import draw_box, draw_permutation, mix_targets
 from obow.diagnostics import feature_diagnostics
 from obow.predictor import BoWPredictor, DynamicBoWPredictor, FixedBoWPredictor
 from obow.schedules import teacher_momentum
@@ -38,14 +41,35 @@ from obow.vocabulary import KMeansVocabulary, QueueVocabulary
 def bow_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """``KL(y_T || softmax(logits))`` averaged over all ``B * n`` predictions (official notes 2.8).
 
-    ``logits`` is ``[B, n, K]`` (``n`` views of each image, image-major), ``targets`` is ``[B, K]``. Its
-    gradient is that of the paper's cross-entropy (eq. 3); its value is that minus the targets' entropy, so
-    a perfect prediction scores 0. Zero target entries contribute exactly 0 (``0 log 0 = 0``).
+    ``logits`` is ``[B, n, K]`` (``n`` views of each image, image-major), ``targets`` is ``[B, K]`` (one per
+    image, shared by its views) or ``[B, n, K]`` (one per view, e.g. cut-mixed views). Its gradient is that
+    of the paper's cross-entropy (eq. 3); its value is that minus the targets' entropy, so a perfect
+    prediction scores 0. Zero target entries contribute exactly 0 (``0 log 0 = 0``).
     """
+    if targets.dim() == logits.dim() - 1:
+        targets = targets.unsqueeze(1)
+    if (
+        targets.dim() != logits.dim()
+        or targets.shape[::2] != logits.shape[::2]
+        or targets.shape[1] not in (1, logits.shape[1])
+    ):
+        raise ValueError(
+            f"targets must be [B, K] or [B, n, K] for logits {tuple(logits.shape)}, got {tuple(targets.shape)}"
+        )
     log_probs = F.log_softmax(at_least_float32(logits), dim=-1)
-    cross_entropy = -(targets.unsqueeze(1) * log_probs).sum(dim=-1)
-    neg_entropy = torch.special.xlogy(targets, targets).sum(dim=-1, keepdim=True)
+    cross_entropy = -(targets * log_probs).sum(dim=-1)
+    neg_entropy = torch.special.xlogy(targets, targets).sum(dim=-1)
     return (cross_entropy + neg_entropy).mean()
+
+
+def build_predictor(cfg: ModelConfig, student: nn.Module) -> BoWPredictor:
+    """The head ``cfg.head`` names: the dynamic weight generator or fixed per-word weights, for every level."""
+    if cfg.head == "dynamic":
+        word_dims = [student.level_channels[level] for level in cfg.levels]
+        return DynamicBoWPredictor(
+            word_dims, student.num_features, cfg.kappa, cfg.normalize_student, cfg.split_generator
+        )
+    return FixedBoWPredictor([cfg.num_words] * len(cfg.levels), student.num_features, cfg.kappa, cfg.normalize_student)
 
 
 @dataclass
@@ -68,6 +92,10 @@ class OBoW(nn.Module):
         teacher_momentum: ``alpha`` at iteration 0 (0.99).
         teacher_momentum_schedule: ``"cosine"`` (to 1 at the end) or ``"constant"``.
         loss_weighting: ``"group_sum"`` (official) or ``"view_mean"``.
+        cutmix: in training, cut-mix every student view group (one box and one permutation of the batch per
+            group, :mod:`obow.cutmix`) and mix its BoW targets by area. The draws come from
+            :attr:`cutmix_generator` when set (a CPU ``torch.Generator``), else from torch's global CPU
+            generator (saved in checkpoints).
     """
 
     def __init__(
@@ -80,6 +108,7 @@ class OBoW(nn.Module):
         teacher_momentum: float = 0.99,
         teacher_momentum_schedule: str = "cosine",
         loss_weighting: str = "group_sum",
+        cutmix: bool = False,
     ) -> None:
         super().__init__()
         if not extractors:
@@ -98,6 +127,8 @@ class OBoW(nn.Module):
         self.base_momentum = float(teacher_momentum)
         self.momentum_schedule = teacher_momentum_schedule
         self.loss_weighting = loss_weighting
+        self.cutmix = bool(cutmix)
+        self.cutmix_generator: torch.Generator | None = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
         self._pending: dict | None = None  # the teacher side of a step computed group by group
 
@@ -123,23 +154,15 @@ class OBoW(nn.Module):
                 sinkhorn_epsilon=cfg.sinkhorn_epsilon,
                 sinkhorn_iterations=cfg.sinkhorn_iterations,
             )
-        if cfg.head == "dynamic":
-            word_dims = [student.level_channels[level] for level in cfg.levels]
-            predictor: BoWPredictor = DynamicBoWPredictor(
-                word_dims, student.num_features, cfg.kappa, cfg.normalize_student, cfg.split_generator
-            )
-        else:
-            predictor = FixedBoWPredictor(
-                [cfg.num_words] * len(cfg.levels), student.num_features, cfg.kappa, cfg.normalize_student
-            )
         return cls(
             student,
             extractors,
-            predictor,
+            build_predictor(cfg, student),
             total_iterations=total_iterations,
             teacher_momentum=cfg.teacher_momentum,
             teacher_momentum_schedule=cfg.teacher_momentum_schedule,
             loss_weighting=cfg.loss_weighting,
+            cutmix=cfg.cutmix,
         )
 
     def current_momentum(self) -> float:
@@ -252,13 +275,20 @@ class OBoW(nn.Module):
         """Group ``g``'s term: mean over its views and over levels, weighted as ``loss_weighting`` says."""
         views = groups[g]
         batch, n = views.shape[:2]
+        targets = {level: bows[level].targets for level in self.levels}
+        if self.cutmix and self.training:
+            box = draw_box(views.shape[-2], views.shape[-1], self.cutmix_generator)
+            perm = draw_permutation(batch, self.cutmix_generator)
+            views, mix_weights = cutmix_views(views, box, perm)
+            targets = {level: mix_targets(t, perm, mix_weights) for level, t in targets.items()}  # [B, n, K]
+            metrics[f"cutmix/group{g}/weight"] = torch.tensor(box.weight)
         features = self.student(views.flatten(0, 1)).pool5
         if g == 0 and features.shape[0] > 1:  # collapse diagnostics, on the first group's views
             metrics.update({f"student/{k}": v for k, v in feature_diagnostics(features).items()})
         logits = self.predictor(features, weights)
         level_losses = []
         for level, z in zip(self.levels, logits, strict=True):
-            level_loss = bow_loss(z.view(batch, n, -1), bows[level].targets)
+            level_loss = bow_loss(z.view(batch, n, -1), targets[level])
             metrics[f"loss/group{g}/{level}"] = level_loss.detach()
             level_losses.append(level_loss)
         group_loss = torch.stack(level_losses).mean()

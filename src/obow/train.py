@@ -167,7 +167,8 @@ def pretrain(cfg: Config, out_dir: str | Path) -> dict[str, Any]:
         step_model = D.ddp_without_buffer_sync(model, [device.index] if device.type == "cuda" else None)
     if cfg.train.compile:
         model.student.compile()
-        model.teacher.compile()
+        if isinstance(getattr(model, "teacher", None), nn.Module):  # RotNet has none
+            model.teacher.compile()
 
     logger = RunLogger(out, cfg, enabled=is_main)
     monitor = KNNMonitor(cfg, images, device) if is_main else None

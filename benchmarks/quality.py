@@ -65,9 +65,7 @@ def time_steps(cfg, steps: int = 6) -> float:
 
     images = scan_images(cfg.data.path, "folders", cfg.data.images_per_class)
     sampler = EpochSampler(len(images), cfg.data.batch_size, seed=cfg.train.seed)
-    loader = build_loader(
-        ImageDataset(images, build_views(cfg)), sampler, cfg.data.batch_size, cfg.data.num_workers
-    )
+    loader = build_loader(ImageDataset(images, build_views(cfg)), sampler, cfg.data.batch_size, cfg.data.num_workers)
     model = build_method(cfg, total_iterations=1000).train()
     optimizer = build_optimizer(model, cfg)
     scaler = torch.amp.GradScaler("cpu", enabled=False)

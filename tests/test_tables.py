@@ -78,7 +78,9 @@ def test_tiny_table3_run_writes_the_table_and_resumes_without_retraining(tmp_pat
     out = tmp_path / "tables"
     args = ["tables", "run", "table3", "--data", data, "--budget", "1", "--recipe", recipe, "--out", out]
     proc = run_cli(*args, "--rows", "1", "4", "--k", "5", "--episodes", "10")
-    assert "| random init (same network) |" in proc.stdout and "| soft, dynamic | 42.11 | 62.44 | 45.86 |" in proc.stdout
+    assert (
+        "| random init (same network) |" in proc.stdout and "| soft, dynamic | 42.11 | 62.44 | 45.86 |" in proc.stdout
+    )
 
     record = json.loads((out / "table3" / "table.json").read_text())
     assert [r["label"] for r in record["rows"]] == ["soft, dynamic", "hard, fixed"]

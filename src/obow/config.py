@@ -212,7 +212,9 @@ class MoCoConfig:
         check_positive("moco.temperature", self.temperature)
         check_unit_interval("moco.key_momentum", self.key_momentum)
         if len(self.crop_scale) != 2 or not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
-            raise ConfigError(f"moco.crop_scale must be [low, high] with 0 < low <= high <= 1, got {list(self.crop_scale)}")
+            raise ConfigError(
+                f"moco.crop_scale must be [low, high] with 0 < low <= high <= 1, got {list(self.crop_scale)}"
+            )
 
 
 @dataclass

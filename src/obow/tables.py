@@ -47,7 +47,12 @@ COLUMNS = {"1-shot": "fewshot_1", "5-shot": "fewshot_5", "linear": "linear"}
 
 VANILLA = ("model.levels=[conv5]", "views.num_crops=1", "views.num_patches=0")
 FULL = ("model.levels=[conv4, conv5]",)
-CROP_224 = ("views.num_crops=1", "views.crop_size={teacher_size}", "views.crop_scale=[0.08, 1.0]", "views.num_patches=0")
+CROP_224 = (
+    "views.num_crops=1",
+    "views.crop_size={teacher_size}",
+    "views.crop_scale=[0.08, 1.0]",
+    "views.num_patches=0",
+)
 BOWNET = ("model.method=bownet", "model.assignment=hard", "model.head=fixed", "model.levels=[conv5]")
 ROTNET = ("model.method=rotnet", *CROP_224)
 MOCO = ("model.method=mocov2", "moco.key_momentum=0.99", "moco.queue_size={moco_queue}")
@@ -108,7 +113,9 @@ TABLES: dict[str, Table] = {
             "Table 1: online vocabulary updates",
             "vanilla in the first five rows, full (multi-scale) in the last two",
             (
-                Row("k-means, rare-word replacement", (*VANILLA, "model.vocabulary=kmeans"), _paper(40.98, 60.35, 44.45)),
+                Row(
+                    "k-means, rare-word replacement", (*VANILLA, "model.vocabulary=kmeans"), _paper(40.98, 60.35, 44.45)
+                ),
                 Row(
                     "k-means, Sinkhorn balancing",
                     (*VANILLA, "model.vocabulary=kmeans", "model.assignment=sinkhorn", "model.rare_word_steps=null"),
@@ -116,10 +123,14 @@ TABLES: dict[str, Table] = {
                 ),
                 Row("queue, local features", (*VANILLA, "model.queue_sampling=local"), _paper(40.29, 60.81, 44.39)),
                 Row(
-                    "queue, globally-averaged", (*VANILLA, "model.queue_sampling=global_average"), _paper(41.57, 62.54, 45.79)
+                    "queue, globally-averaged",
+                    (*VANILLA, "model.queue_sampling=global_average"),
+                    _paper(41.57, 62.54, 45.79),
                 ),
                 Row(
-                    "queue, locally-averaged", (*VANILLA, "model.queue_sampling=local_average"), _paper(42.11, 62.44, 45.86)
+                    "queue, locally-averaged",
+                    (*VANILLA, "model.queue_sampling=local_average"),
+                    _paper(42.11, 62.44, 45.86),
                 ),
                 Row(
                     "multi-scale, globally-averaged",
@@ -127,7 +138,9 @@ TABLES: dict[str, Table] = {
                     _paper(41.29, 63.09, 49.40),
                 ),
                 Row(
-                    "multi-scale, locally-averaged", (*FULL, "model.queue_sampling=local_average"), _paper(44.18, 64.89, 50.89)
+                    "multi-scale, locally-averaged",
+                    (*FULL, "model.queue_sampling=local_average"),
+                    _paper(44.18, 64.89, 50.89),
                 ),
             ),
         ),
@@ -153,12 +166,22 @@ TABLES: dict[str, Table] = {
                 ),
                 Row(
                     "alpha 0.5, lr x0.6",
-                    (*VANILLA, "model.teacher_momentum=0.5", "model.teacher_momentum_schedule=constant", "optim.lr={lr_x06}"),
+                    (
+                        *VANILLA,
+                        "model.teacher_momentum=0.5",
+                        "model.teacher_momentum_schedule=constant",
+                        "optim.lr={lr_x06}",
+                    ),
                     _paper(39.52, 60.18, 43.82),
                 ),
                 Row(
                     "alpha 0.0, lr x0.2",
-                    (*VANILLA, "model.teacher_momentum=0.0", "model.teacher_momentum_schedule=constant", "optim.lr={lr_x02}"),
+                    (
+                        *VANILLA,
+                        "model.teacher_momentum=0.0",
+                        "model.teacher_momentum_schedule=constant",
+                        "optim.lr={lr_x02}",
+                    ),
                     _paper(33.80, 55.02, 39.90),
                 ),
             ),
@@ -168,8 +191,16 @@ TABLES: dict[str, Table] = {
             "Table 3: soft vs hard codes, dynamic vs fixed head (vanilla)",
             "hard codes with a fixed head is not in the paper",
             (
-                Row("soft, dynamic", (*VANILLA, "model.assignment=soft", "model.head=dynamic"), _paper(42.11, 62.44, 45.86)),
-                Row("hard, dynamic", (*VANILLA, "model.assignment=hard", "model.head=dynamic"), _paper(38.61, 59.98, 44.64)),
+                Row(
+                    "soft, dynamic",
+                    (*VANILLA, "model.assignment=soft", "model.head=dynamic"),
+                    _paper(42.11, 62.44, 45.86),
+                ),
+                Row(
+                    "hard, dynamic",
+                    (*VANILLA, "model.assignment=hard", "model.head=dynamic"),
+                    _paper(38.61, 59.98, 44.64),
+                ),
                 Row("soft, fixed", (*VANILLA, "model.assignment=soft", "model.head=fixed"), _paper(2.00, 2.00, 0.10)),
                 Row("hard, fixed", (*VANILLA, "model.assignment=hard", "model.head=fixed"), _paper(None, None, None)),
             ),
@@ -180,10 +211,22 @@ TABLES: dict[str, Table] = {
             "224 / 160 / 96 px are the base's teacher view, crop and patch sizes",
             (
                 Row("1 x 224", ("model.levels=[conv5]", *CROP_224), _paper(None, None, 31.39)),
-                Row("1 x 224 + cutmix", ("model.levels=[conv5]", *CROP_224, "model.cutmix=true"), _paper(None, None, 39.46)),
+                Row(
+                    "1 x 224 + cutmix",
+                    ("model.levels=[conv5]", *CROP_224, "model.cutmix=true"),
+                    _paper(None, None, 39.46),
+                ),
                 Row("1 x 160", VANILLA, _paper(None, None, 45.86)),
-                Row("2 x 160", ("model.levels=[conv5]", "views.num_crops=2", "views.num_patches=0"), _paper(None, None, 47.64)),
-                Row("5 x 96", ("model.levels=[conv5]", "views.num_crops=0", "views.num_patches=5"), _paper(None, None, 44.24)),
+                Row(
+                    "2 x 160",
+                    ("model.levels=[conv5]", "views.num_crops=2", "views.num_patches=0"),
+                    _paper(None, None, 47.64),
+                ),
+                Row(
+                    "5 x 96",
+                    ("model.levels=[conv5]", "views.num_crops=0", "views.num_patches=5"),
+                    _paper(None, None, 44.24),
+                ),
                 Row(
                     "2 x 160 + 5 x 96",
                     ("model.levels=[conv5]", "views.num_crops=2", "views.num_patches=5"),
@@ -206,7 +249,9 @@ TABLES: dict[str, Table] = {
             "Table 5: BoWNet vs OBoW",
             "BoWNet = RotNet teacher + two BoWNet rounds (40 + 80 + 80 of 200 parts of the budget)",
             (
-                Row("BoWNet", paper=_paper(33.80, 55.02, 41.30), stages=_bownet_stages((*CROP_224, "model.cutmix=true"))),
+                Row(
+                    "BoWNet", paper=_paper(33.80, 55.02, 41.30), stages=_bownet_stages((*CROP_224, "model.cutmix=true"))
+                ),
                 Row("BoWNet (160 crops)", paper=_paper(29.26, 49.68, 43.59), stages=_bownet_stages(VANILLA[1:])),
                 Row("OBoW (vanilla)", VANILLA, _paper(42.11, 62.44, 45.86)),
                 Row("OBoW (full)", FULL, _paper(44.18, 64.89, 50.89)),
@@ -256,11 +301,7 @@ def select_rows(table: Table, wanted: list[str] | None) -> list[Row]:
         return list(table.rows)
     out = []
     for item in wanted:
-        match = [
-            r
-            for i, r in enumerate(table.rows, start=1)
-            if item in (r.label, r.slug, str(i))
-        ]
+        match = [r for i, r in enumerate(table.rows, start=1) if item in (r.label, r.slug, str(i))]
         if not match:
             choices = ", ".join(f"{i} ({r.slug})" for i, r in enumerate(table.rows, start=1))
             raise ValueError(f"{table.name} has no row {item!r}; rows: {choices}")

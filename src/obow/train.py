@@ -3,9 +3,9 @@
 :func:`pretrain` sets up the run (processes, device, data, model, optimiser), resumes from
 ``<out>/checkpoint.pt`` when one is there, then loops over epochs and batches: learning rate from the
 iteration, one step of the method (:class:`~obow.method.OBoW`: teacher EMA, targets, vocabulary update,
-student loss; or a baseline of :mod:`obow.methods`), backward, SGD step, logs. A checkpoint is written atomically at every epoch end (and every
-``train.checkpoint_every`` iterations), and on Ctrl-C or SIGTERM, holding everything needed to continue
-exactly where the run stopped.
+student loss; or a baseline of :mod:`obow.methods`), backward, SGD step, logs. A checkpoint is written
+atomically at every epoch end (and every ``train.checkpoint_every`` iterations), and on Ctrl-C or
+SIGTERM, holding everything needed to continue exactly where the run stopped.
 
 Files in ``<out>``: ``config.yaml`` (the resolved recipe), ``checkpoint.pt`` (latest), ``checkpoints/``
 (permanent copies every ``train.keep_every`` epochs), ``log.jsonl`` (one JSON object per line),

@@ -72,6 +72,30 @@ def build_predictor(cfg: ModelConfig, student: nn.Module) -> BoWPredictor:
     return FixedBoWPredictor([cfg.num_words] * len(cfg.levels), student.num_features, cfg.kappa, cfg.normalize_student)
 
 
+def check_views(teacher_images: Tensor, student_views: Sequence[Tensor]) -> list[Tensor]:
+    """The student's view groups as ``[B, n, 3, h, w]`` tensors (a ``[B, 3, h, w]`` group gets ``n = 1``),
+    checked against the teacher batch ``B``."""
+    if len(student_views) == 0:
+        raise ValueError("student_views must hold at least one group of views")
+    batch = teacher_images.shape[0]
+    groups = [v if v.dim() == 5 else v.unsqueeze(1) for v in student_views]
+    for i, views in enumerate(groups):
+        if views.dim() != 5 or views.shape[0] != batch:
+            raise ValueError(
+                f"student_views[{i}] must be [B, n, 3, h, w] or [B, 3, h, w] with B={batch} "
+                f"(the teacher batch), got {tuple(student_views[i].shape)}"
+            )
+    return groups
+
+
+def group_weight(n: int, groups: Sequence[Tensor], loss_weighting: str) -> float:
+    """The weight of a group of ``n`` views' mean loss: 1 (``group_sum``, official: the groups' means are
+    summed) or ``n / all views`` (``view_mean``: a mean over every view)."""
+    if loss_weighting == "group_sum":
+        return 1.0
+    return n / sum(v.shape[1] for v in groups)
+
+
 @dataclass
 class OBoWOutput:
     """The loss to back-propagate and detached diagnostics (``metrics``), computed without extra passes."""
@@ -204,7 +228,7 @@ class OBoW(nn.Module):
         prediction weights ``G(V)`` are computed once, and the last call's loss carries their gradient from all
         groups (pass the loss scale as ``grad_scale`` when the backward passes are scaled, as with fp16).
         """
-        groups = self._check_views(teacher_images, student_views)
+        groups = check_views(teacher_images, student_views)
         if group is None or group == 0:
             state = self._teacher_side(teacher_images)
             if group == 0:
@@ -235,19 +259,6 @@ class OBoW(nn.Module):
                 loss = loss + surrogate - surrogate.detach()
             self._pending = None
         return OBoWOutput(loss=loss, metrics=metrics, targets={k: b.targets for k, b in state["bows"].items()})
-
-    def _check_views(self, teacher_images: Tensor, student_views: Sequence[Tensor]) -> list[Tensor]:
-        if len(student_views) == 0:
-            raise ValueError("student_views must hold at least one group of views")
-        batch = teacher_images.shape[0]
-        groups = [v if v.dim() == 5 else v.unsqueeze(1) for v in student_views]
-        for i, views in enumerate(groups):
-            if views.dim() != 5 or views.shape[0] != batch:
-                raise ValueError(
-                    f"student_views[{i}] must be [B, n, 3, h, w] or [B, 3, h, w] with B={batch} "
-                    f"(the teacher batch), got {tuple(student_views[i].shape)}"
-                )
-        return groups
 
     def _teacher_side(self, teacher_images: Tensor) -> dict:
         """EMA update, BoW targets (and the vocabulary update), and the prediction weights over ``V_t``."""
@@ -292,6 +303,4 @@ class OBoW(nn.Module):
             metrics[f"loss/group{g}/{level}"] = level_loss.detach()
             level_losses.append(level_loss)
         group_loss = torch.stack(level_losses).mean()
-        if self.loss_weighting == "group_sum":
-            return group_loss
-        return group_loss * (n / sum(v.shape[1] for v in groups))
+        return group_loss * group_weight(n, groups, self.loss_weighting)

@@ -48,7 +48,7 @@ from obow.backbones import build_backbone
 from obow.bow import at_least_float32
 from obow.config import LOSS_WEIGHTINGS, Config
 from obow.diagnostics import feature_diagnostics
-from obow.method import OBoWOutput
+from obow.method import OBoWOutput, check_views, group_weight
 from obow.validation import check_choice, check_positive, check_unit_interval
 
 
@@ -222,7 +222,7 @@ class MoCoV2(nn.Module):
 
         ``targets`` of the output: ``{"keys": [B, dim]}``, the keys of this process's images.
         """
-        groups = _check_views(teacher_images, student_views)
+        groups = check_views(teacher_images, student_views)
         if group is not None and not 0 <= group < len(groups):
             raise ValueError(f"group={group} is out of range for {len(groups)} view groups")
         if group is None or group == 0:
@@ -278,20 +278,4 @@ class MoCoV2(nn.Module):
         metrics[f"moco/accuracy/group{g}"] = accuracy
         state["correct"] = state["correct"] + accuracy / 100 * len(queries)
         state["count"] += len(queries)
-        if self.loss_weighting == "group_sum":
-            return group_loss
-        return group_loss * (n / sum(v.shape[1] for v in groups))
-
-
-def _check_views(teacher_images: Tensor, student_views: Sequence[Tensor]) -> list[Tensor]:
-    if len(student_views) == 0:
-        raise ValueError("student_views must hold at least one group of views")
-    batch = teacher_images.shape[0]
-    groups = [v if v.dim() == 5 else v.unsqueeze(1) for v in student_views]
-    for i, views in enumerate(groups):
-        if views.dim() != 5 or views.shape[0] != batch:
-            raise ValueError(
-                f"student_views[{i}] must be [B, n, 3, h, w] or [B, 3, h, w] with B={batch} "
-                f"(the teacher batch), got {tuple(student_views[i].shape)}"
-            )
-    return groups
+        return group_loss * group_weight(n, groups, self.loss_weighting)

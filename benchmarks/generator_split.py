@@ -2,7 +2,7 @@
 
 The official code makes every process run the weight generator over all K words of every level: a fixed
 cost per step that does not shrink as processes are added. With ``split_generator`` each of the ``world``
-processes runs it over K / world words and the results are gathered (see ``obow.predictor.WeightGenerator``).
+processes runs it over K / world words and the results are gathered (see ``obow.bow.predictor.WeightGenerator``).
 This starts ``--world`` real processes on the CPU (gloo, ``--threads`` threads each) and times, per
 process, the generator's forward+backward over every level's vocabulary, with and without the split, in one
 run. Backward is driven by a fixed upstream gradient on the generated weights, as the loss would provide.
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from obow.predictor import DynamicBoWPredictor
+from obow.bow.predictor import DynamicBoWPredictor
 
 
 def free_port() -> int:

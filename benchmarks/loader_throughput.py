@@ -26,10 +26,10 @@ import torch
 from PIL import Image
 
 from obow.config import load_config
-from obow.data import EpochSampler, ImageDataset, build_loader, scan_images
-from obow.method import OBoW
-from obow.train import forward_backward, precision_context
-from obow.transforms import OBoWViews
+from obow.data.folders import EpochSampler, ImageDataset, build_loader, scan_images
+from obow.data.transforms import OBoWViews
+from obow.methods.obow import OBoW
+from obow.training.loop import forward_backward, precision_context
 
 
 def synthetic_folder(root: Path, count: int, size: int) -> Path:

@@ -36,10 +36,11 @@ from pathlib import Path
 import torch
 
 from obow.config import load_config
-from obow.data import scan_images
-from obow.evaluate.features import align_classes, eval_dataset, load_backbone
+from obow.data.eval_sets import align_classes, eval_dataset
+from obow.data.folders import scan_images
 from obow.evaluate.protocol import evaluate_backbone
-from obow.train import pretrain
+from obow.training.loop import pretrain
+from obow.weights.load import load_backbone
 
 
 def parse_run(text: str) -> tuple[str, str, list[str]]:
@@ -59,9 +60,9 @@ def test_folder(data: Path) -> Path:
 def time_steps(cfg, steps: int = 6) -> float:
     """Seconds per optimisation step of ``cfg`` (data loading included): the mean over the steps after the
     first two, with the real loader, model and optimiser."""
-    from obow.data import EpochSampler, ImageDataset, build_loader
+    from obow.data.folders import EpochSampler, ImageDataset, build_loader
     from obow.methods import build_method, build_views
-    from obow.train import build_optimizer, forward_backward, precision_context, to_device
+    from obow.training.loop import build_optimizer, forward_backward, precision_context, to_device
 
     images = scan_images(cfg.data.path, "folders", cfg.data.images_per_class)
     sampler = EpochSampler(len(images), cfg.data.batch_size, seed=cfg.train.seed)

@@ -26,9 +26,17 @@ from collections.abc import Callable
 
 import torch
 
-from obow.bow import flatten_locations, l1_normalize, pool_codes, remove_border, soft_assignment, squared_distances
+from obow.bow.loss import bow_loss
+from obow.bow.targets import (
+    flatten_locations,
+    l1_normalize,
+    pool_codes,
+    remove_border,
+    soft_assignment,
+    squared_distances,
+)
 from obow.config import ModelConfig
-from obow.method import OBoW, bow_loss
+from obow.methods.obow import OBoW
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:

@@ -35,8 +35,8 @@ from torch import nn
 
 from obow.backbones import ResNetBackbone
 from obow.config import load_config
-from obow.method import OBoW
-from obow.train import forward_backward, precision_context
+from obow.methods.obow import OBoW
+from obow.training.loop import forward_backward, precision_context
 
 MODES = ("obow", "floor", "supervised")
 

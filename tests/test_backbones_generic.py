@@ -10,9 +10,9 @@ from torch import nn
 
 from obow.backbones import build_backbone, level_map_size
 from obow.config import Config, ConfigError, DataConfig, ModelConfig, ViewsConfig, load_config
-from obow.evaluate.features import load_backbone
-from obow.export import export_backbone
-from obow.method import OBoW
+from obow.methods.obow import OBoW
+from obow.weights.export import export_backbone
+from obow.weights.load import load_backbone
 
 #: (arch, stem, options, expected (conv4, conv5) channels): two non-ResNet families from each library.
 CASES = [

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from obow import bow
-from obow.bow import BoWExtractor
-from obow.vocabulary import QueueVocabulary
+from obow.bow import targets as bow
+from obow.bow.targets import BoWExtractor
+from obow.bow.vocabulary import QueueVocabulary
 
 from reference import bow_targets as ref_bow_targets
 from reference import np64

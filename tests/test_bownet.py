@@ -6,13 +6,14 @@ import torch
 from PIL import Image
 
 from obow.backbones import build_backbone
-from obow.bow import BoWExtractor
-from obow.bownet import BoWNet, StaticVocabulary, kmeans, kmeans_init, lloyd_step, sample_locations
-from obow.checkpoint import load_checkpoint, save_atomic
+from obow.bow.kmeans import kmeans, kmeans_init, lloyd_step
+from obow.bow.targets import BoWExtractor
 from obow.config import ModelConfig, load_config
-from obow.evaluate.features import network_state
-from obow.method import build_predictor
-from obow.train import pretrain
+from obow.methods.bownet import BoWNet, StaticVocabulary, sample_locations
+from obow.methods.obow import build_predictor
+from obow.training.loop import pretrain
+from obow.weights.checkpoint import load_checkpoint, save_atomic
+from obow.weights.load import network_state
 
 from reference import bow_targets as ref_bow_targets
 from reference import np64

@@ -8,10 +8,12 @@ import pytest
 from PIL import Image
 from test_export import make_checkpoint
 
-from obow.cli_eval import add_eval_parser, add_export_parser
-from obow.evaluate.features import eval_dataset, extract_features, load_backbone, views_from_dict
+from obow.cli.evaluate import add_eval_parser, add_export_parser
+from obow.data.eval_sets import eval_dataset, views_from_dict
+from obow.evaluate.features import extract_features
 from obow.evaluate.fewshot import prototype_accuracy, sample_episodes
 from obow.evaluate.knn import knn_accuracy
+from obow.weights.load import load_backbone
 
 COLOURS = {"blue": (40, 60, 200), "green": (40, 190, 60), "red": (200, 50, 40)}
 

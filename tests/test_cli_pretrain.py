@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from obow.checkpoint import load_checkpoint
+from obow.weights.checkpoint import load_checkpoint
 
 TINY_RECIPE = """
 description: test-sized recipe

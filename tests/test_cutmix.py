@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from obow.bow.loss import bow_loss
 from obow.config import ModelConfig
-from obow.cutmix import Box, clip_box, cutmix, draw_box, draw_permutation, mix_targets
-from obow.method import OBoW, bow_loss
+from obow.data.cutmix import Box, clip_box, cutmix, draw_box, draw_permutation, mix_targets
+from obow.methods.obow import OBoW
 
 from reference import kl_loss as ref_kl_loss
 from reference import np64

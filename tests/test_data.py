@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from obow.config import ViewsConfig
-from obow.data import (
+from obow.data.folders import (
     EpochSampler,
     ImageDataset,
     ImageList,
@@ -19,7 +19,7 @@ from obow.data import (
     load_rgb,
     scan_images,
 )
-from obow.transforms import OBoWViews, eval_transform
+from obow.data.transforms import OBoWViews, eval_transform
 
 
 def save_image(path: Path, size: tuple[int, int] = (20, 16), seed: int = 0, **save_args) -> Path:

@@ -5,9 +5,9 @@ import torch
 from PIL import Image
 
 from obow.config import load_config
-from obow.demo import blend_on_background, run_demo, write_digits
-from obow.evaluate.features import load_backbone
-from obow.method import OBoW
+from obow.experiments.demo import blend_on_background, run_demo, write_digits
+from obow.methods.obow import OBoW
+from obow.weights.load import load_backbone
 
 
 def test_write_digits_makes_a_stratified_class_folder_split(tmp_path):
@@ -50,7 +50,7 @@ def test_digits_on_backgrounds_are_reproducible(tmp_path):
 
 
 def test_random_init_baseline_is_the_pretraining_runs_starting_network():
-    """The demo compares with 'the same network at its random initialisation': the weights that obow.train
+    """The demo compares with 'the same network at its random initialisation': the weights that obow.training.loop
     builds before its first step (seed, then OBoW.from_config)."""
     cfg = load_config("demo")
     torch.manual_seed(cfg.train.seed)

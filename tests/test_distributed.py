@@ -23,12 +23,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from obow.bow import BoWExtractor
+from obow.bow.targets import BoWExtractor
+from obow.bow.vocabulary import KMeansVocabulary, QueueVocabulary
 from obow.config import ModelConfig
 from obow.distributed import ddp_without_buffer_sync
-from obow.method import OBoW
-from obow.train import forward_backward
-from obow.vocabulary import KMeansVocabulary, QueueVocabulary
+from obow.methods.obow import OBoW
+from obow.training.loop import forward_backward
 
 WORLD = 2
 BATCH = 8  # global
@@ -174,7 +174,7 @@ def test_torchrun_pretraining_on_two_cpu_processes(tmp_path):
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from obow.checkpoint import load_checkpoint
+    from obow.weights.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(out / "checkpoint.pt")
     assert ckpt["iteration"] == 2  # 16 images, global batch 8

@@ -5,8 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-from obow.data import ImageDataset, scan_images
-from obow.evaluate.features import eval_dataset, load_backbone, views_from_dict
+from obow.data.eval_sets import eval_dataset, views_from_dict
+from obow.data.folders import ImageDataset, scan_images
 from obow.evaluate.finetune import (
     FINETUNE_PRESETS,
     balanced_subset,
@@ -15,6 +15,7 @@ from obow.evaluate.finetune import (
     finetune_transform,
 )
 from obow.evaluate.linear import linear_head
+from obow.weights.load import load_backbone
 
 COLOURS = {"blue": (40, 60, 200), "red": (200, 50, 40)}
 

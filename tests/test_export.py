@@ -6,11 +6,11 @@ import torch
 import torchvision
 from torch import nn
 
-from obow.checkpoint import FORMAT, VERSION, save_atomic
 from obow.config import Config, DataConfig, ModelConfig, ViewsConfig, to_dict
-from obow.evaluate.features import load_backbone
-from obow.export import FC_NOTE, detectron2_key, export_backbone
-from obow.method import OBoW
+from obow.methods.obow import OBoW
+from obow.weights.checkpoint import build_checkpoint, save_atomic
+from obow.weights.export import FC_NOTE, detectron2_key, export_backbone
+from obow.weights.load import load_backbone
 
 
 def make_checkpoint(path, arch="resnet18", stem="cifar", size=32, epoch=3, iteration=30, options=None):
@@ -27,15 +27,7 @@ def make_checkpoint(path, arch="resnet18", stem="cifar", size=32, epoch=3, itera
         for name, buf in model.student.named_buffers():
             if "running" in name:  # non-trivial BN statistics, so that eval-mode features test them too
                 buf.add_(0.1 * torch.rand_like(buf))
-    ckpt = {
-        "format": FORMAT,
-        "version": VERSION,
-        "config": to_dict(cfg),
-        "model": model.state_dict(),
-        "epoch": epoch,
-        "iteration": iteration,
-    }
-    save_atomic(ckpt, path)
+    save_atomic(build_checkpoint(to_dict(cfg), model.state_dict(), epoch=epoch, iteration=iteration), path)
     return path
 
 

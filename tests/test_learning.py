@@ -11,8 +11,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from obow.bow.loss import bow_loss
 from obow.config import ModelConfig
-from obow.method import OBoW, bow_loss
+from obow.methods.obow import OBoW
 
 
 def _fixed_batch(digits_images, size=32, crop=22):

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from obow.bow.loss import bow_loss
 from obow.config import ModelConfig
-from obow.method import OBoW, bow_loss
+from obow.methods.obow import OBoW
 from obow.schedules import learning_rate, teacher_momentum
 
 from reference import kl_loss as ref_kl_loss

@@ -16,13 +16,13 @@ from PIL import Image
 from torch import nn
 
 from obow.backbones import build_backbone
-from obow.checkpoint import load_checkpoint
 from obow.config import Config, from_dict
+from obow.data.transforms import MoCoV2Views, OBoWViews
 from obow.distributed import ddp_without_buffer_sync
-from obow.evaluate.features import load_backbone
 from obow.methods import build_views
-from obow.mocov2 import MoCoV2, info_nce_loss
-from obow.transforms import MoCoV2Views, OBoWViews
+from obow.methods.mocov2 import MoCoV2, info_nce_loss
+from obow.weights.checkpoint import load_checkpoint
+from obow.weights.load import load_backbone
 
 TINY_ARCH = ("timm:resnet18", "cifar", {"channels": [8, 16, 32, 64], "stem_width": 8})
 
@@ -298,7 +298,7 @@ def _run_config(data: Path, augmentation: str, epochs: int) -> Config:
 def test_pretrain_resume_and_load_the_student(tmp_path, augmentation):
     from test_cli_pretrain import read_log, write_images
 
-    from obow.train import pretrain
+    from obow.training.loop import pretrain
 
     data = write_images(tmp_path / "data", per_class=8, size=20)  # 16 images: 2 steps per epoch
     epochs = 2 if augmentation == "mocov2" else 1

@@ -15,7 +15,7 @@ import copy
 import torch
 
 from obow.config import ModelConfig
-from obow.method import OBoW
+from obow.methods.obow import OBoW
 
 
 def test_bf16_step_runs_and_targets_match_float32():

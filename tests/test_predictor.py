@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from obow.predictor import DynamicBoWPredictor, FixedBoWPredictor, WeightGenerator
+from obow.bow.predictor import DynamicBoWPredictor, FixedBoWPredictor, WeightGenerator
 
 from reference import np64
 from reference import weight_generator as ref_weight_generator

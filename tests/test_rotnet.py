@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from obow.config import load_config
 from obow.methods import build_method
-from obow.rotnet import RotNet, rotate_batch
+from obow.methods.rotnet import RotNet, rotate_batch
 
 from reference import log_softmax, np64
 

@@ -13,20 +13,21 @@ import torch
 from PIL import Image
 from torch import nn
 
-from obow import cli, cli_eval
+from obow import cli
 from obow.backbones import ARCHITECTURES, STEMS, BackboneOutput
-from obow.bow import BoWExtractor
+from obow.bow.predictor import DynamicBoWPredictor
+from obow.bow.targets import BoWExtractor
+from obow.bow.vocabulary import QueueVocabulary
+from obow.cli import evaluate as cli_eval
 from obow.config import ConfigError, load_config
-from obow.data import scan_images
-from obow.evaluate.features import NETWORKS
+from obow.data.folders import scan_images
 from obow.evaluate.finetune import FINETUNE_PRESETS
 from obow.evaluate.knn import DEFAULT_TEMPERATURE
 from obow.evaluate.linear import LINEAR_PRESETS
-from obow.export import FORMATS
-from obow.method import OBoW
-from obow.predictor import DynamicBoWPredictor
-from obow.train import KNNMonitor
-from obow.vocabulary import QueueVocabulary
+from obow.methods.obow import OBoW
+from obow.training.loop import KNNMonitor
+from obow.weights.export import FORMATS
+from obow.weights.load import NETWORKS
 
 TINY_RECIPE = """
 model: {arch: resnet18, stem: cifar, levels: [conv4], num_words: 16, kappa: 5.0, delta_base: 1/10}

@@ -12,10 +12,11 @@ from PIL import Image
 from test_cli_pretrain import TINY_RECIPE, run_cli, write_images
 from torch import nn
 
-from obow import cli, cli_show
+from obow import cli
 from obow.backbones import BackboneOutput
+from obow.cli import show as cli_show
 from obow.config import ViewsConfig
-from obow.evaluate.features import NETWORKS, eval_dataset
+from obow.data.eval_sets import eval_dataset
 from obow.show.neighbours import nearest
 from obow.show.run_plots import panels_for, read_run
 from obow.show.words import (
@@ -28,6 +29,7 @@ from obow.show.words import (
     write_grid,
     write_html,
 )
+from obow.weights.load import NETWORKS
 
 STRIDE = 8
 VIEWS = ViewsConfig(teacher_resize=32, teacher_size=32, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))

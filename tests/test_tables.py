@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from obow.config import load_config
-from obow.tables import TABLES, _fill, _placeholders, list_tables, markdown, select_rows
+from obow.experiments.tables import TABLES, _fill, _placeholders, list_tables, markdown, select_rows
 from tests.test_cli_pretrain import write_images
 
 TINY = """

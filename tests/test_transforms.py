@@ -6,7 +6,7 @@ import torch
 from PIL import Image, ImageFilter
 
 from obow.config import ViewsConfig
-from obow.transforms import (
+from obow.data.transforms import (
     GaussianBlur,
     OBoWViews,
     PatchGrid,

@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from obow.bow import flatten_locations, squared_distances
-from obow.vocabulary import KMeansVocabulary, QueueVocabulary, sample_one_feature_per_image
+from obow.bow.targets import flatten_locations, squared_distances
+from obow.bow.vocabulary import KMeansVocabulary, QueueVocabulary, sample_one_feature_per_image
 
 from reference import np64
 

@@ -10,27 +10,27 @@ __version__ = "0.1.0"
 #: Public names and the module that defines each. They are imported on first use, so that ``import obow``
 #: (and the ``obow`` command's parser, which ``obow --help`` builds) does not pay for PyTorch.
 _EXPORTS = {
-    "BoWExtractor": "obow.bow",
-    "BoWNet": "obow.bownet",
-    "DynamicBoWPredictor": "obow.predictor",
-    "FixedBoWPredictor": "obow.predictor",
-    "KMeansVocabulary": "obow.vocabulary",
-    "MoCoV2": "obow.mocov2",
+    "BoWExtractor": "obow.bow.targets",
+    "BoWNet": "obow.methods.bownet",
+    "DynamicBoWPredictor": "obow.bow.predictor",
+    "FixedBoWPredictor": "obow.bow.predictor",
+    "KMeansVocabulary": "obow.bow.vocabulary",
+    "MoCoV2": "obow.methods.mocov2",
     "ModelConfig": "obow.config",
-    "OBoW": "obow.method",
-    "QueueVocabulary": "obow.vocabulary",
+    "OBoW": "obow.methods.obow",
+    "QueueVocabulary": "obow.bow.vocabulary",
     "ResNetBackbone": "obow.backbones",
-    "RotNet": "obow.rotnet",
+    "RotNet": "obow.methods.rotnet",
     "TimmBackbone": "obow.backbones",
     "TorchvisionBackbone": "obow.backbones",
     "build_backbone": "obow.backbones",
-    "Vocabulary": "obow.vocabulary",
-    "WeightGenerator": "obow.predictor",
-    "bow_loss": "obow.method",
+    "Vocabulary": "obow.bow.vocabulary",
+    "WeightGenerator": "obow.bow.predictor",
+    "bow_loss": "obow.bow.loss",
     "feature_map_size": "obow.backbones",
 }
 #: Public submodules, also imported on first use (``obow.cutmix.cutmix``, ``obow.cutmix.draw_box``, ...).
-_SUBMODULES = ("cutmix",)
+_SUBMODULES = {"cutmix": "obow.data.cutmix"}
 
 __all__ = [
     "BoWExtractor",
@@ -55,21 +55,22 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from obow import cutmix
     from obow.backbones import ResNetBackbone, feature_map_size
-    from obow.bow import BoWExtractor
-    from obow.bownet import BoWNet
+    from obow.bow.loss import bow_loss
+    from obow.bow.predictor import DynamicBoWPredictor, FixedBoWPredictor, WeightGenerator
+    from obow.bow.targets import BoWExtractor
+    from obow.bow.vocabulary import KMeansVocabulary, QueueVocabulary, Vocabulary
     from obow.config import ModelConfig
-    from obow.method import OBoW, bow_loss
-    from obow.mocov2 import MoCoV2
-    from obow.predictor import DynamicBoWPredictor, FixedBoWPredictor, WeightGenerator
-    from obow.rotnet import RotNet
-    from obow.vocabulary import KMeansVocabulary, QueueVocabulary, Vocabulary
+    from obow.data import cutmix
+    from obow.methods.bownet import BoWNet
+    from obow.methods.mocov2 import MoCoV2
+    from obow.methods.obow import OBoW
+    from obow.methods.rotnet import RotNet
 
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     if name in _SUBMODULES:
-        return importlib.import_module(f"obow.{name}")
+        return importlib.import_module(_SUBMODULES[name])
     raise AttributeError(f"module 'obow' has no attribute {name!r}")

@@ -6,7 +6,7 @@ torchvision's naming, paper section 3.3) and the student predicts every BoW from
 
 :class:`ResNetBackbone` registers torchvision's own modules under torchvision's own names (``conv1``,
 ``bn1``, ``layer1`` ... ``layer4``) and drops only ``avgpool`` and ``fc``, so its ``state_dict`` loads into
-the matching ``torchvision.models.resnetXX()`` once an ``fc`` is supplied (see ``obow.export``).
+the matching ``torchvision.models.resnetXX()`` once an ``fc`` is supplied (see ``obow.weights.export``).
 
 Three sources of networks, named by ``model.arch``:
 
@@ -41,7 +41,7 @@ import torch
 import torchvision
 from torch import Tensor, nn
 
-from obow.validation import check_choice
+from obow.checks import check_choice
 
 ARCHITECTURES = (
     "resnet18",

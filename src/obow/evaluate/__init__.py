@@ -8,11 +8,13 @@
 - :mod:`~obow.evaluate.finetune`: 1% / 10% semi-supervised fine-tuning (section 4.3).
 """
 
-from obow.evaluate.features import eval_dataset, extract_features, load_backbone
+from obow.data.eval_sets import eval_dataset
+from obow.evaluate.features import extract_features
 from obow.evaluate.fewshot import Episode, default_ways, prototype_accuracy, sample_episodes
 from obow.evaluate.finetune import FINETUNE_PRESETS, balanced_subset, finetune
 from obow.evaluate.knn import knn_accuracy, knn_predict
 from obow.evaluate.linear import LINEAR_PRESETS, lr_at_epoch, train_linear_probe
+from obow.weights.load import load_backbone
 
 __all__ = [
     "FINETUNE_PRESETS",

@@ -24,11 +24,11 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset
 from torchvision.transforms import v2
 
-from obow.data import ImageDataset, collate
+from obow.checks import check_positive
+from obow.data.folders import ImageDataset, collate
+from obow.data.transforms import eval_transform
 from obow.evaluate.knn import top1_top5
 from obow.evaluate.linear import linear_head
-from obow.transforms import eval_transform
-from obow.validation import check_positive
 
 
 @dataclass(frozen=True)

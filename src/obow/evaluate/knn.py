@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from obow.validation import check_positive
+from obow.checks import check_positive
 
 #: The two settings reported by default: InstDisc / MoCo-Colab / lightly, and solo-learn / DINO.
 DEFAULT_KS = (200, 20)

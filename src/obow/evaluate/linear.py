@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from obow.checks import check_choice, check_positive
 from obow.evaluate.knn import top1_top5
-from obow.validation import check_choice, check_positive
 
 SCHEDULES = ("step", "cosine")
 

@@ -84,15 +84,10 @@ def show_neighbours(
 ) -> dict[str, Any]:
     """Write the grid to ``out`` (a PNG); returns ``path``, ``queries`` (indices in the test split) and the
     share of neighbours of the query's class under ``learned`` and ``random`` features."""
-    from obow.data import ImageList
-    from obow.evaluate.features import (
-        align_classes,
-        eval_dataset,
-        extract_features,
-        load_backbone,
-        scan_labelled,
-        views_from_dict,
-    )
+    from obow.data.eval_sets import align_classes, eval_dataset, scan_labelled, views_from_dict
+    from obow.data.folders import ImageList
+    from obow.evaluate.features import extract_features
+    from obow.weights.load import load_backbone
 
     data = Path(data)
     test_dir = next((data / name for name in ("val", "test") if (data / name).is_dir()), None)

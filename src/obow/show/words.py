@@ -3,9 +3,9 @@ official notes 6.2).
 
 Every image of a folder goes through the recipe's evaluation view and the teacher (or student); each location
 of the chosen level's map, after border removal, is soft-assigned to the vocabulary exactly as the BoW targets
-are (:func:`obow.bow.squared_distances`, :func:`obow.bow.soft_assignment`, ``delta = delta_base * mu_MSD``),
-with the checkpoint's state and nothing updated. For every word the locations with the highest assignment
-score are kept, and each is shown as the patch of the view it looks at.
+are (:func:`obow.bow.targets.squared_distances`, :func:`obow.bow.targets.soft_assignment`,
+``delta = delta_base * mu_MSD``), with the checkpoint's state and nothing updated. For every word the locations
+with the highest assignment score are kept, and each is shown as the patch of the view it looks at.
 
 Memory does not grow with the number of images: batches are streamed, and only a running top-``n`` per word
 (scores, image indices and locations: ``K * n`` of each) and the per-word usage counts are kept. The patches
@@ -25,8 +25,8 @@ import torch
 from PIL import Image, ImageDraw
 from torch import Tensor, nn
 
-from obow.bow import flatten_locations, remove_border, soft_assignment, squared_distances
-from obow.data import EpochSampler, ImageDataset, build_loader
+from obow.bow.targets import flatten_locations, remove_border, soft_assignment, squared_distances
+from obow.data.folders import EpochSampler, ImageDataset, build_loader
 
 #: Patches kept per word (the official visualisation also shows 8).
 TOP = 8
@@ -320,8 +320,8 @@ def load_level_vocabulary(checkpoint: str | Path, level: str | None = None) -> t
 
     ``level`` defaults to ``conv5`` when the recipe has it, else the recipe's last level.
     """
-    from obow.checkpoint import load_checkpoint
     from obow.config import Config, from_dict
+    from obow.weights.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(checkpoint)
     cfg = from_dict(Config, ckpt["config"])
@@ -368,7 +368,8 @@ def show_words(
     Returns what was written and shown: ``grid``, ``html``, ``level``, ``words``, ``usage`` (of the chosen
     words), ``num_images``, ``num_locations``.
     """
-    from obow.evaluate.features import eval_dataset, load_backbone, views_from_dict
+    from obow.data.eval_sets import eval_dataset, views_from_dict
+    from obow.weights.load import load_backbone
 
     vocabulary, cfg = load_level_vocabulary(checkpoint, level)
     backbone, info = load_backbone(checkpoint, network=network)

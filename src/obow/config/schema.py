@@ -11,26 +11,17 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
+from obow.bow import ASSIGNMENTS, HEADS, POOLINGS, QUEUE_SAMPLINGS, VOCABULARIES
+from obow.checks import check_choice, check_positive, check_unit_interval
+from obow.data import LABEL_MODES
+from obow.methods import LOSS_WEIGHTINGS, METHODS, MOCO_AUGMENTATIONS, MOMENTUM_SCHEDULES
+from obow.training import DEVICES, PRECISIONS
 
-from obow.backbones import LEVEL_TO_STAGE, STEMS, level_map_size, parse_arch
-from obow.bow import ASSIGNMENTS, POOLINGS
-from obow.validation import check_choice, check_positive, check_unit_interval
-from obow.vocabulary import QUEUE_SAMPLINGS
-
-#: Pretraining methods: OBoW, and the paper's baselines (MoCo v2: appendix; BoWNet and its RotNet teacher:
-#: Table 5). Each is a module beside :class:`~obow.method.OBoW` (see :mod:`obow.methods`).
-METHODS = ("obow", "mocov2", "bownet", "rotnet")
-VOCABULARIES = ("queue", "kmeans")
-HEADS = ("dynamic", "fixed")
-MOMENTUM_SCHEDULES = ("cosine", "constant")
-LOSS_WEIGHTINGS = ("group_sum", "view_mean")
 #: Smallest side a BoW level's map may have after border removal (room for the 3x3 local average).
 MIN_BOW_MAP = 3
 
@@ -80,6 +71,10 @@ class ModelConfig:
     cutmix: bool = False
 
     def __post_init__(self) -> None:
+        # Architectures, stems and levels are the backbone module's names; it imports PyTorch, so it is read
+        # here, when a model section is checked, not when obow.config is imported.
+        from obow.backbones import LEVEL_TO_STAGE, STEMS, parse_arch
+
         check_choice("model.method", self.method, METHODS)
         try:
             source, _ = parse_arch(self.arch, "model.arch")
@@ -181,9 +176,6 @@ class ViewsConfig:
             raise ConfigError("views.mean and views.std must hold 3 numbers each, std > 0")
 
 
-MOCO_AUGMENTATIONS = ("mocov2", "ours")
-
-
 @dataclass
 class MoCoConfig:
     """MoCo v2 (``model.method=mocov2``), the paper's appendix baseline: a key encoder that is an EMA of the
@@ -239,9 +231,6 @@ class BoWNetConfig:
             _check_int(f"bownet.{name}", getattr(self, name), minimum=1)
 
 
-LABEL_MODES = ("auto", "folders", "none")
-
-
 @dataclass
 class DataConfig:
     """Where the images are and how they are batched. ``batch_size`` is global (divided among processes)."""
@@ -287,10 +276,6 @@ class OptimConfig:
         check_positive("optim.end_lr", self.end_lr, allow_zero=True)
         check_unit_interval("optim.momentum", self.momentum, closed=False)
         check_positive("optim.weight_decay", self.weight_decay, allow_zero=True)
-
-
-DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -354,6 +339,8 @@ class Config:
                 "model.method=bownet needs bownet.teacher: the static teacher, an obow pretrain checkpoint (e.g. of "
                 "a model.method=rotnet run) or an exported backbone of the same model.arch"
             )
+        from obow.backbones import level_map_size
+
         for level in m.levels:
             try:
                 side = level_map_size(m.arch, v.teacher_size, level, m.stem, m.arch_options) - 2 * m.border
@@ -463,98 +450,3 @@ def to_dict(section: Any) -> dict[str, Any]:
         return v
 
     return plain(dataclasses.asdict(section))
-
-
-RECIPES_DIR = Path(__file__).parent / "configs"
-
-
-def available_recipes() -> dict[str, str]:
-    """Built-in recipe names and their one-line descriptions."""
-    out = {}
-    for path in sorted(RECIPES_DIR.glob("*.yaml")):
-        raw = _read_yaml(path)
-        out[path.stem] = str(raw.get("description", "")).strip().splitlines()[0] if raw.get("description") else ""
-    return out
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    with open(path) as f:
-        try:
-            raw = yaml.safe_load(f) or {}
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise ConfigError(f"{where}: not valid YAML: {problem}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a mapping of settings, got {type(raw).__name__}")
-    return raw
-
-
-def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in update.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def _resolve_recipe(source: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    text = str(source)
-    builtin = RECIPES_DIR / f"{text}.yaml"
-    looks_like_file = text.endswith((".yaml", ".yml")) or "/" in text or "\\" in text
-    if not looks_like_file and builtin.is_file():
-        path = builtin
-    elif Path(text).is_file():
-        path = Path(text)
-    elif looks_like_file:
-        raise ConfigError(f"recipe file {text!r} does not exist")
-    else:
-        raise ConfigError(f"unknown recipe {text!r}: give a YAML file or one of: {', '.join(available_recipes())}")
-    path = path.resolve()
-    if path in seen:
-        raise ConfigError(f"recipe {path} inherits from itself through 'base'")
-    raw = _read_yaml(path)
-    base = raw.pop("base", None)
-    if base is None:
-        return raw
-    base_path = Path(base) if Path(base).suffix else base
-    if isinstance(base_path, Path) and not base_path.is_absolute():
-        base_path = path.parent / base_path
-    return _merge(_resolve_recipe(base_path, (*seen, path)), raw)
-
-
-def parse_override(item: str) -> dict[str, Any]:
-    """``"model.num_words=4096"`` -> ``{"model": {"num_words": 4096}}`` (the value is read as YAML)."""
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. optim.lr=0.05")
-    key, _, text = item.partition("=")
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ConfigError(f"override {item!r} has an empty key part")
-    try:
-        value: Any = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"override {item!r}: cannot read the value ({err})") from None
-    for part in reversed(parts):
-        value = {part: value}
-    return value
-
-
-def load_config(source: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """A validated :class:`Config` from a built-in recipe name or a YAML path, plus ``key=value`` overrides.
-
-    With ``source=None`` the defaults (the paper's ResNet-50 recipe) are the starting point. A recipe may
-    name another in ``base:`` and change only what differs.
-    """
-    raw = _resolve_recipe(source) if source is not None else {}
-    for item in overrides:
-        raw = _merge(raw, parse_override(item))
-    return from_dict(Config, raw)
-
-
-def save_config(cfg: Config, path: str | Path) -> None:
-    with open(path, "w") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)

@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from obow.backbones import build_backbone
-from obow.bow import at_least_float32
+from obow.bow.targets import at_least_float32
 from obow.config import Config
 from obow.diagnostics import feature_diagnostics
-from obow.method import OBoWOutput
+from obow.methods.base import Method
+from obow.methods.obow import OBoWOutput
 
 NUM_ROTATIONS = 4
 
@@ -37,7 +38,7 @@ def rotate_batch(images: Tensor) -> tuple[Tensor, Tensor]:
     return rotated, labels
 
 
-class RotNet(nn.Module):
+class RotNet(Method):
     """The student backbone and a linear rotation classifier on its ``pool5`` vector.
 
     Buffers: ``iteration`` (steps taken). The student is called once per step on all groups' images, so the
@@ -49,6 +50,7 @@ class RotNet(nn.Module):
     def __init__(self, student: nn.Module, *, total_iterations: int) -> None:
         super().__init__()
         self.student = student
+        self.teacher = None  # RotNet learns from the rotation labels alone
         self.classifier = nn.Linear(student.num_features, NUM_ROTATIONS)
         self.total_iterations = total_iterations
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))

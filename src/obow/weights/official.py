@@ -54,9 +54,9 @@ import torch
 from torch import Tensor
 
 from obow.backbones import ResNetBackbone
-from obow.checkpoint import FORMAT, VERSION, save_atomic
 from obow.config import Config, from_dict, load_config, to_dict
-from obow.evaluate.features import guess_architecture
+from obow.weights.checkpoint import build_checkpoint, save_atomic
+from obow.weights.load import guess_architecture
 
 #: The built-in recipe an imported run is described by, per architecture (the authors' own recipes).
 RECIPES = {"resnet50": "imagenet_resnet50_full", "resnet18": "imagenet20_resnet18_full"}
@@ -140,7 +140,7 @@ def import_official(
 ) -> dict[str, Any]:
     """Convert the official file ``path`` into the obow checkpoint ``out``; returns a summary
     (``kind``: ``"full"`` or ``"backbone"``, ``arch``, ``levels``, ``num_words``, ``kappa``, ``epoch``)."""
-    from obow.method import OBoW
+    from obow.methods.obow import OBoW
 
     state, extra = read_official(path)
     student = convert_backbone(state, "feature_extractor.")
@@ -200,23 +200,15 @@ def import_official(
         _load_strict(model, model_state, path)
         model_state = model.state_dict()
         summary.update(levels=list(cfg.model.levels), num_words=cfg.model.num_words, kappa=cfg.model.kappa)
-    ckpt = {
-        "format": FORMAT,
-        "version": VERSION,
-        "config": to_dict(cfg),
-        "model": model_state,
-        "epoch": epoch,
-        "iteration": iteration,
-        "imported_from": str(path),
-    }
+    ckpt = build_checkpoint(to_dict(cfg), model_state, epoch=epoch, iteration=iteration, imported_from=str(path))
     save_atomic(ckpt, out)
     return summary
 
 
 def _check_backbone(backbone: ResNetBackbone, weights: dict[str, Tensor], path: str | Path) -> None:
-    from obow.evaluate.features import _load_weights
+    from obow.weights.load import load_weights
 
-    _load_weights(backbone, weights, f"official file {str(path)!r}")
+    load_weights(backbone, weights, f"official file {str(path)!r}")
 
 
 def _load_strict(model: torch.nn.Module, state: dict[str, Tensor], path: str | Path) -> None:
@@ -227,6 +219,6 @@ def _load_strict(model: torch.nn.Module, state: dict[str, Tensor], path: str | P
         raise ValueError(
             f"{str(path)!r} does not map onto an obow model: {len(missing)} missing entries "
             f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}; the official names are listed in "
-            "obow.official's docstring"
+            "obow.weights.official's docstring"
         )
     model.load_state_dict(state, strict=True)

@@ -65,8 +65,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from obow.cli_eval import add_eval_parser, add_export_parser, add_import_parser
-    from obow.cli_show import add_show_parser
+    from obow.cli.evaluate import add_eval_parser, add_export_parser, add_import_parser
+    from obow.cli.show import add_show_parser
 
     parser = argparse.ArgumentParser(prog="obow", description="OBoW self-supervised pretraining and evaluation")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
@@ -128,7 +128,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     if cfg.data.path is None:
         raise ConfigError("no training images: pass --data DIR (or set data.path in the recipe)")
     out = Path(args.out or Path("runs") / (Path(args.config).stem if args.config else "obow"))
-    from obow.train import Interrupted, pretrain
+    from obow.training.loop import Interrupted, pretrain
 
     try:
         result = pretrain(cfg, out)
@@ -141,8 +141,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from obow.demo import run_demo
-    from obow.train import Interrupted
+    from obow.experiments.demo import run_demo
+    from obow.training.loop import Interrupted
 
     try:
         run_demo(Path(args.out), list(args.overrides))
@@ -166,7 +166,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def cmd_tables_list(args: argparse.Namespace) -> int:
-    from obow.tables import list_tables
+    from obow.experiments.tables import list_tables
 
     print(list_tables())
     print("\nrun one: obow tables run NAME --data DIR --budget EPOCHS [--per-class N] [key=value ...]")
@@ -174,8 +174,8 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
 
 
 def cmd_tables_run(args: argparse.Namespace) -> int:
-    from obow.tables import TABLES, markdown, run_table
-    from obow.train import Interrupted
+    from obow.experiments.tables import TABLES, markdown, run_table
+    from obow.training.loop import Interrupted
 
     try:
         record = run_table(
@@ -196,7 +196,3 @@ def cmd_tables_run(args: argparse.Namespace) -> int:
     print(markdown(record, TABLES[args.name].columns))
     print(f"written: {Path(args.out) / args.name / 'table.md'} and table.json")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

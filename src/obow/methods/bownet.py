@@ -3,7 +3,7 @@
 A static teacher, pretrained by another method (a RotNet run, ``model.method=rotnet``, for the first round; the
 previous round's student for the next), quantises its feature maps with a vocabulary computed once, off-line,
 by k-means; a student learns to predict the resulting BoW targets from perturbed views. What differs from
-:class:`~obow.method.OBoW`, which it reuses for everything else (targets, head, loss, view groups, cutmix):
+:class:`~obow.methods.obow.OBoW`, which it reuses for everything else (targets, head, loss, view groups, cutmix):
 
 * the teacher is loaded from ``bownet.teacher`` (:func:`load_teacher`), frozen and always in eval mode (a
   pretrained network uses its running batch-norm statistics); it is never updated;
@@ -28,73 +28,15 @@ from torch import Tensor, nn
 
 from obow import distributed as D
 from obow.backbones import build_backbone
-from obow.bow import BoWExtractor, flatten_locations, remove_border, squared_distances
-from obow.checkpoint import load_checkpoint
+from obow.bow.kmeans import kmeans, nearest_centroids
+from obow.bow.predictor import BoWPredictor
+from obow.bow.targets import BoWExtractor, flatten_locations, remove_border
+from obow.bow.vocabulary import Vocabulary
 from obow.config import Config, ModelConfig
-from obow.method import OBoW, build_predictor
-from obow.predictor import BoWPredictor
-from obow.vocabulary import Vocabulary
+from obow.methods.obow import OBoW, build_predictor
+from obow.weights.checkpoint import load_checkpoint
 
 log = logging.getLogger("obow")
-
-#: Entries of one block of the ``[rows, K]`` distance matrix in :func:`nearest_centroids` (256 MB in float32).
-DISTANCE_BLOCK = 2**26
-
-
-def kmeans_init(x: Tensor, k: int, generator: torch.Generator | None = None) -> Tensor:
-    """``k`` distinct rows of ``x`` ``[N, C]``, chosen uniformly at random (the indices drawn on the CPU)."""
-    if x.dim() != 2:
-        raise ValueError(f"k-means takes points [N, C], got shape {tuple(x.shape)}")
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive integer, got {k!r}")
-    if x.shape[0] < k:
-        raise ValueError(f"k-means with k={k} needs at least {k} points, got {x.shape[0]}")
-    index = torch.randperm(x.shape[0], generator=generator)[:k].to(x.device)
-    return x[index].clone()
-
-
-def nearest_centroids(x: Tensor, centroids: Tensor) -> tuple[Tensor, Tensor]:
-    """Index ``[N]`` of the nearest of ``centroids`` ``[K, C]`` for every row of ``x`` ``[N, C]``, and the
-    squared distance to it ``[N]``; computed in blocks of rows, so that ``[N, K]`` is never held whole."""
-    rows = max(1, DISTANCE_BLOCK // centroids.shape[0])
-    nearest, distance = [], []
-    for part in x.split(rows):
-        d, i = squared_distances(part.unsqueeze(0), centroids)[0].min(dim=1)
-        nearest.append(i)
-        distance.append(d)
-    return torch.cat(nearest), torch.cat(distance)
-
-
-def lloyd_step(x: Tensor, centroids: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """One Lloyd iteration: assign every point to its nearest centroid, move each centroid to the mean of its
-    points. A centroid that no point chose is re-seeded with a random point of ``x``. Returns the new
-    centroids and the mean squared distance of the points to the old ones (the k-means objective)."""
-    nearest, distance = nearest_centroids(x, centroids)
-    k = centroids.shape[0]
-    counts = torch.bincount(nearest, minlength=k)
-    sums = torch.zeros_like(centroids).index_add_(0, nearest, x)
-    new = sums / counts.clamp_min(1).unsqueeze(1).to(x.dtype)
-    empty = torch.nonzero(counts == 0).flatten()
-    if empty.numel():
-        pick = torch.randint(x.shape[0], (empty.numel(),), generator=generator).to(x.device)
-        new[empty] = x[pick]
-    return new, distance.mean()
-
-
-def kmeans(x: Tensor, k: int, iterations: int, generator: torch.Generator | None = None) -> Tensor:
-    """``k`` centroids ``[k, C]`` of the points ``x`` ``[N, C]``: random distinct points as the start
-    (:func:`kmeans_init`), then ``iterations`` Lloyd iterations (:func:`lloyd_step`).
-
-    Plain torch rather than scikit-learn's ``KMeans``: it runs where ``x`` is, i.e. on the training GPU, on the
-    teacher's features (ResNet-50: 160k points of 1024 or 2048 dimensions, K = 8192), without a copy to the
-    host. The random draws come from ``generator`` (a CPU generator), else from torch's global one.
-    """
-    if not isinstance(iterations, int) or iterations < 0:
-        raise ValueError(f"iterations must be an integer >= 0, got {iterations!r}")
-    centroids = kmeans_init(x, k, generator)
-    for _ in range(iterations):
-        centroids, _ = lloyd_step(x, centroids, generator)
-    return centroids
 
 
 class StaticVocabulary(Vocabulary):
@@ -110,7 +52,7 @@ class StaticVocabulary(Vocabulary):
 def load_teacher(path: str | Path, cfg: ModelConfig) -> nn.Module:
     """The backbone in ``path``: an ``obow pretrain`` checkpoint (its student: a RotNet run, or an earlier
     BoWNet round) or a file of ``obow export``; it must be ``cfg``'s architecture, stem and options."""
-    from obow.evaluate.features import load_backbone
+    from obow.weights.load import load_backbone
 
     where = f"bownet.teacher={str(path)!r}"
     if not Path(path).is_file():
@@ -142,8 +84,8 @@ def load_teacher(path: str | Path, cfg: ModelConfig) -> nn.Module:
 
 
 class BoWNet(OBoW):
-    """Student, static pretrained teacher, one static-vocabulary :class:`~obow.bow.BoWExtractor` per level,
-    and a BoW prediction head; the loss, view groups and cutmix are :class:`~obow.method.OBoW`'s.
+    """Student, static pretrained teacher, one static-vocabulary :class:`~obow.bow.targets.BoWExtractor` per level,
+    and a BoW prediction head; the loss, view groups and cutmix are :class:`~obow.methods.obow.OBoW`'s.
 
     Buffers: ``vocabulary_ready`` (false until :meth:`prepare` or :meth:`set_vocabularies` has written the
     words; a step before that raises), ``iteration``, and the extractors' words and temperature statistics.
@@ -154,8 +96,8 @@ class BoWNet(OBoW):
         student: the backbone being trained.
         teacher: the pretrained backbone, of the student's architecture; it is frozen here.
         extractors: level name -> extractor whose vocabulary is a :class:`StaticVocabulary`.
-        predictor: the head (BoWNet: :class:`~obow.predictor.FixedBoWPredictor`).
-        total_iterations, loss_weighting, cutmix: as :class:`~obow.method.OBoW`.
+        predictor: the head (BoWNet: :class:`~obow.bow.predictor.FixedBoWPredictor`).
+        total_iterations, loss_weighting, cutmix: as :class:`~obow.methods.obow.OBoW`.
     """
 
     def __init__(
@@ -266,16 +208,17 @@ class BoWNet(OBoW):
     def prepare(self, images: Any, cfg: Config, device: torch.device | str) -> dict[str, float]:
         """Build the vocabulary: k-means over the teacher's features of training images (BoWNet's off-line step).
 
-        ``min(bownet.kmeans_images, len(images))`` images of the :class:`~obow.data.ImageList` ``images``, chosen
-        at random (seeded by ``train.seed``), go through the teacher's evaluation view (resize, centre crop);
+        ``min(bownet.kmeans_images, len(images))`` images of the :class:`~obow.data.folders.ImageList`
+        ``images``, chosen at random (seeded by ``train.seed``), go through the teacher's evaluation view (resize,
+        centre crop);
         at every level of ``model.levels``, ``bownet.kmeans_samples_per_image`` random locations (all of them
         when the map has fewer) of the border-free map are kept per image, and ``bownet.kmeans_iterations``
         Lloyd iterations with ``K = model.num_words`` give the words. In a distributed run every process
         computes the same words (same seed); rank 0's are broadcast all the same, so that non-deterministic GPU
         sums cannot make them differ. Returns the final k-means objective (mean squared distance) per level.
         """
-        from obow.data import EpochSampler, ImageList, build_loader
-        from obow.evaluate.features import eval_dataset
+        from obow.data.eval_sets import eval_dataset
+        from obow.data.folders import EpochSampler, ImageList, build_loader
 
         device = torch.device(device)
         b, m = cfg.bownet, cfg.model

@@ -19,7 +19,7 @@ The caller does the backward pass and the optimiser step.
 What follows MoCo v2 (Chen, Fan, Girshick, He, "Improved baselines with momentum contrastive learning",
 2020): the 2-layer MLP head (``Linear(F, F) -> ReLU -> Linear(F, 128)``, ``moco.hidden_dim: null`` makes the
 hidden layer as wide as the backbone's features), the temperature 0.2, the queue of negatives, the key
-momentum 0.999, the augmentation with Gaussian blur and crop scale (0.2, 1) (:class:`obow.transforms.
+momentum 0.999, the augmentation with Gaussian blur and crop scale (0.2, 1) (:class:`obow.data.transforms.
 MoCoV2Views`, ``moco.augmentation: mocov2``) and shuffled batch norm. The cosine learning rate and the SGD
 settings are the recipe's (``optim``), not this module's.
 
@@ -45,11 +45,13 @@ from torch import Tensor, nn
 
 from obow import distributed as D
 from obow.backbones import build_backbone
-from obow.bow import at_least_float32
-from obow.config import LOSS_WEIGHTINGS, Config
+from obow.bow.targets import at_least_float32
+from obow.checks import check_choice, check_positive, check_unit_interval
+from obow.config import Config
 from obow.diagnostics import feature_diagnostics
-from obow.method import OBoWOutput, check_views, group_weight
-from obow.validation import check_choice, check_positive, check_unit_interval
+from obow.methods import LOSS_WEIGHTINGS
+from obow.methods.base import Method
+from obow.methods.obow import OBoWOutput, check_views, group_weight
 
 
 def info_nce_loss(queries: Tensor, keys: Tensor, queue: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
@@ -83,7 +85,7 @@ def projection_head(in_dim: int, hidden_dim: int, out_dim: int) -> nn.Sequential
     return nn.Sequential(nn.Linear(in_dim, hidden_dim), nn.ReLU(inplace=True), nn.Linear(hidden_dim, out_dim))
 
 
-class MoCoV2(nn.Module):
+class MoCoV2(Method):
     """Query encoder (``student`` + ``projector``), momentum key encoder (``teacher`` + ``key_projector``) and
     a queue of negative keys.
 

@@ -37,9 +37,9 @@ from torch import Tensor
 
 from obow import __version__
 from obow.backbones import ResNetBackbone, parse_arch
-from obow.checkpoint import save_atomic
-from obow.evaluate.features import load_backbone
-from obow.validation import check_choice
+from obow.checks import check_choice
+from obow.weights.checkpoint import save_atomic
+from obow.weights.load import load_backbone
 
 FORMATS = ("torchvision", "timm", "detectron2")
 FC_SEED = 0

@@ -5,19 +5,19 @@
 ==========  =====================================  ==========================================================
 method      module                                 paper
 ==========  =====================================  ==========================================================
-``obow``    :class:`obow.method.OBoW`              the method (sections 3.1-3.3)
-``mocov2``  :class:`obow.mocov2.MoCoV2`            appendix "Comparing with MoCo for the same augmentations"
-``bownet``  :class:`obow.bownet.BoWNet`            Table 5 (static teacher, offline k-means vocabulary)
-``rotnet``  :class:`obow.rotnet.RotNet`            Table 5 (BoWNet's teacher: rotation prediction)
+``obow``    :class:`obow.methods.obow.OBoW`              the method (sections 3.1-3.3)
+``mocov2``  :class:`obow.methods.mocov2.MoCoV2`            appendix "Comparing with MoCo for the same augmentations"
+``bownet``  :class:`obow.methods.bownet.BoWNet`            Table 5 (static teacher, offline k-means vocabulary)
+``rotnet``  :class:`obow.methods.rotnet.RotNet`            Table 5 (BoWNet's teacher: rotation prediction)
 ==========  =====================================  ==========================================================
 
-What the training loop (:func:`obow.train.pretrain`) needs from a method module:
+What the training loop (:func:`obow.training.loop.pretrain`) needs from a method module:
 
 * ``student``: the backbone being trained (what ``obow eval`` and ``obow export`` read, as
   ``student.*`` entries of the checkpoint); ``teacher`` when the method has one;
 * ``forward(teacher_images, student_views, group=None, grad_scale=1.0)`` returning an object with
   ``loss`` (to back-propagate) and ``metrics`` (detached scalars, ``"loss"`` among them); the batch is the
-  one :func:`build_views` describes, split by :func:`obow.train.to_device` into the teacher's images
+  one :func:`build_views` describes, split by :func:`obow.training.loop.to_device` into the teacher's images
   ``[B, 3, T, T]`` and the student's view groups ``[B, n, 3, h, w]``. A method whose attribute
   ``supports_groups`` is false is always called with ``group=None``;
 * optionally ``prepare(images, cfg, device)``, called once before the first step of a new run (not on
@@ -27,30 +27,40 @@ What the training loop (:func:`obow.train.pretrain`) needs from a method module:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
-from obow.config import Config
+    from obow.config import Config
+
+#: The registry: ``model.method`` values (each built by :func:`build_method`).
+METHODS = ("obow", "mocov2", "bownet", "rotnet")
+#: Teacher (EMA) momentum schedules over the run.
+MOMENTUM_SCHEDULES = ("cosine", "constant")
+#: How the crop groups' losses combine: the sum of the groups' means (official) or a mean over all views.
+LOSS_WEIGHTINGS = ("group_sum", "view_mean")
+#: MoCo v2's views: its own two views, or OBoW's (every crop and patch a query).
+MOCO_AUGMENTATIONS = ("mocov2", "ours")
 
 
 def build_method(cfg: Config, total_iterations: int) -> nn.Module:
     """The module of ``cfg.model.method``, built from ``cfg``, for a run of ``total_iterations`` steps."""
     method = cfg.model.method
     if method == "obow":
-        from obow.method import OBoW
+        from obow.methods.obow import OBoW
 
         return OBoW.from_config(cfg.model, total_iterations=total_iterations)
     if method == "mocov2":
-        from obow.mocov2 import MoCoV2
+        from obow.methods.mocov2 import MoCoV2
 
         return MoCoV2.from_config(cfg, total_iterations=total_iterations)
     if method == "bownet":
-        from obow.bownet import BoWNet
+        from obow.methods.bownet import BoWNet
 
         return BoWNet.from_config(cfg, total_iterations=total_iterations)
     if method == "rotnet":
-        from obow.rotnet import RotNet
+        from obow.methods.rotnet import RotNet
 
         return RotNet.from_config(cfg, total_iterations=total_iterations)
     raise ValueError(f"model.method={method!r} is not one of obow, mocov2, bownet, rotnet")  # config checks it
@@ -58,10 +68,10 @@ def build_method(cfg: Config, total_iterations: int) -> nn.Module:
 
 def build_views(cfg: Config) -> Callable[[Any], dict]:
     """The per-image transform of ``cfg``'s method: a PIL image -> ``{"teacher": ..., "crops": ..., ...}``."""
-    from obow.transforms import OBoWViews
+    from obow.data.transforms import OBoWViews
 
     if cfg.model.method == "mocov2" and cfg.moco.augmentation == "mocov2":
-        from obow.transforms import MoCoV2Views
+        from obow.data.transforms import MoCoV2Views
 
         return MoCoV2Views(cfg.views, cfg.moco.crop_scale)
     return OBoWViews(cfg.views)

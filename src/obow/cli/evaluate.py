@@ -31,7 +31,7 @@ from obow import __version__
 if TYPE_CHECKING:
     import torch
 
-    from obow.data import ImageList
+    from obow.data.folders import ImageList
 
 PROTOCOLS = ("knn", "linear", "fewshot", "finetune")
 EXTRACT_BATCH = 256
@@ -47,8 +47,8 @@ ARCHITECTURES = (
     "wide_resnet50_2",
 )  # obow.backbones.ARCHITECTURES
 STEMS = ("torchvision", "no_maxpool", "cifar")  # obow.backbones.STEMS
-NETWORKS = ("student", "teacher")  # obow.evaluate.features.NETWORKS
-FORMATS = ("torchvision", "timm", "detectron2")  # obow.export.FORMATS
+NETWORKS = ("student", "teacher")  # obow.weights.load.NETWORKS
+FORMATS = ("torchvision", "timm", "detectron2")  # obow.weights.export.FORMATS
 LINEAR_PRESET_NAMES = ("resnet18", "resnet50")  # obow.evaluate.linear.LINEAR_PRESETS
 #: Fine-tuning presets by labelled fraction (paper section 4.3; obow.evaluate.finetune.FINETUNE_PRESETS).
 FRACTIONS = {0.01: "1%", 0.1: "10%"}
@@ -136,7 +136,7 @@ def add_import_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 
 def run_import(args: argparse.Namespace) -> int:
     """``obow import-official``: convert, then say what was written and what it can be used for."""
-    from obow.official import import_official
+    from obow.weights.official import import_official
 
     summary = import_official(args.file, args.out, arch=args.arch, delta_base=args.delta_base)
     if summary["kind"] == "full":
@@ -260,7 +260,7 @@ def run_linear(args: argparse.Namespace) -> int:
 
 def run_fewshot(args: argparse.Namespace) -> int:
     """Prototype classification on ``n_way``-way ``n_shot``-shot episodes of one split."""
-    from obow.evaluate.features import scan_labelled
+    from obow.data.eval_sets import scan_labelled
     from obow.evaluate.fewshot import default_ways, prototype_accuracy, sample_episodes
 
     run = _Run(args, "fewshot")
@@ -295,8 +295,8 @@ def run_fewshot(args: argparse.Namespace) -> int:
 
 def run_finetune(args: argparse.Namespace) -> int:
     """Fine-tune backbone + linear head on a class-balanced fraction of ``train/``; test on ``val/``."""
-    from obow.data import ImageDataset
-    from obow.evaluate.features import eval_dataset
+    from obow.data.eval_sets import eval_dataset
+    from obow.data.folders import ImageDataset
     from obow.evaluate.finetune import FINETUNE_PRESETS, balanced_subset, finetune, finetune_transform
 
     run = _Run(args, "finetune")
@@ -342,7 +342,7 @@ def run_finetune(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     """``obow export``: write the backbone and its ``.json`` sidecar; print what was written."""
-    from obow.export import export_backbone
+    from obow.weights.export import export_backbone
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -375,7 +375,8 @@ class _Run:
     """What every protocol does the same way: load the backbone, find the splits, extract, report."""
 
     def __init__(self, args: argparse.Namespace, protocol: str) -> None:
-        from obow.evaluate.features import load_backbone, views_from_dict
+        from obow.data.eval_sets import views_from_dict
+        from obow.weights.load import load_backbone
 
         self.args = args
         self.protocol = protocol
@@ -430,7 +431,7 @@ class _Run:
         )
 
     def splits(self) -> tuple[ImageList, ImageList]:
-        from obow.evaluate.features import align_classes, scan_labelled
+        from obow.data.eval_sets import align_classes, scan_labelled
 
         train = scan_labelled(self.train_dir())
         test = align_classes(train, scan_labelled(self.test_dir()))
@@ -443,7 +444,8 @@ class _Run:
         return {"num_images": len(images), "num_classes": len(images.classes), "classes": list(images.classes)}
 
     def features(self, images: ImageList, flip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        from obow.evaluate.features import eval_dataset, extract_features
+        from obow.data.eval_sets import eval_dataset
+        from obow.evaluate.features import extract_features
 
         return extract_features(
             self.backbone,
@@ -469,7 +471,7 @@ class _Run:
             print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
 
     def write(self, numbers: dict[str, Any], settings: dict[str, Any], data: dict[str, Any] | None = None) -> None:
-        from obow.evaluate.features import views_dict
+        from obow.data.eval_sets import views_dict
 
         source = {k: v for k, v in self.info.items() if k != "views"}
         report = {

@@ -2,7 +2,7 @@
 
 :func:`pretrain` sets up the run (processes, device, data, model, optimiser), resumes from
 ``<out>/checkpoint.pt`` when one is there, then loops over epochs and batches: learning rate from the
-iteration, one step of the method (:class:`~obow.method.OBoW`: teacher EMA, targets, vocabulary update,
+iteration, one step of the method (:class:`~obow.methods.obow.OBoW`: teacher EMA, targets, vocabulary update,
 student loss; or a baseline of :mod:`obow.methods`), backward, SGD step, logs. A checkpoint is written
 atomically at every epoch end (and every ``train.checkpoint_every`` iterations), and on Ctrl-C or
 SIGTERM, holding everything needed to continue exactly where the run stopped.
@@ -32,14 +32,15 @@ import torch.distributed as dist
 from torch import nn
 
 from obow import distributed as D
-from obow.checkpoint import FORMAT, VERSION, load_checkpoint, save_atomic
 from obow.config import Config, from_dict, save_config, to_dict
-from obow.data import EpochSampler, ImageDataset, ImageList, build_loader, scan_images
+from obow.data.eval_sets import align_classes, eval_dataset, scan_labelled
+from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loader, scan_images
 from obow.diagnostics import feature_diagnostics
-from obow.evaluate.features import align_classes, eval_dataset, extract_features, scan_labelled
+from obow.evaluate.features import extract_features
 from obow.evaluate.knn import knn_accuracy
 from obow.methods import build_method, build_views
 from obow.schedules import learning_rate
+from obow.weights.checkpoint import FORMAT, VERSION, load_checkpoint, save_atomic
 
 log = logging.getLogger("obow")
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from obow import distributed as D
-from obow.validation import check_positive
+from obow.checks import check_positive
 
 
 class WeightGenerator(nn.Module):

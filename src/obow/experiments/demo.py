@@ -81,11 +81,13 @@ def run_demo(out: Path, overrides: list[str]) -> dict:
     import torch
 
     from obow.config import load_config
+    from obow.data.eval_sets import eval_dataset
     from obow.diagnostics import feature_diagnostics
-    from obow.evaluate.features import eval_dataset, extract_features, load_backbone
+    from obow.evaluate.features import extract_features
     from obow.evaluate.fewshot import prototype_accuracy, sample_episodes
     from obow.evaluate.knn import knn_accuracy
-    from obow.train import pretrain
+    from obow.training.loop import pretrain
+    from obow.weights.load import load_backbone
 
     start = time.time()
     train_dir, val_dir = write_digits(out / "data")

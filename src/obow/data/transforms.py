@@ -7,7 +7,7 @@ must predict the teacher's BoW from each of them (paper section 3). Every size a
 :class:`~obow.config.ViewsConfig`.
 
 All randomness is drawn from torch's global generator, so seeding it before a call (as
-:class:`obow.data.ImageDataset` does per sample) makes the views exactly reproducible.
+:class:`obow.data.folders.ImageDataset` does per sample) makes the views exactly reproducible.
 """
 
 from __future__ import annotations

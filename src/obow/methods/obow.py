@@ -23,43 +23,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from obow.backbones import build_backbone
-from obow.bow import BoWExtractor, BoWTargets, at_least_float32
-from obow.config import LOSS_WEIGHTINGS, MOMENTUM_SCHEDULES, ModelConfig
-from obow.cutmix import cutmix as cutmix_views
-from obow.cutmix import draw_box, draw_permutation, mix_targets
+from obow.bow.loss import bow_loss
+from obow.bow.predictor import BoWPredictor, DynamicBoWPredictor, FixedBoWPredictor
+from obow.bow.targets import BoWExtractor, BoWTargets
+from obow.bow.vocabulary import KMeansVocabulary, QueueVocabulary
+from obow.checks import check_choice, check_unit_interval
+from obow.config import ModelConfig
+from obow.data.cutmix import cutmix as cutmix_views
+from obow.data.cutmix import draw_box, draw_permutation, mix_targets
 from obow.diagnostics import feature_diagnostics
-from obow.predictor import BoWPredictor, DynamicBoWPredictor, FixedBoWPredictor
+from obow.methods import LOSS_WEIGHTINGS, MOMENTUM_SCHEDULES
+from obow.methods.base import Method
 from obow.schedules import teacher_momentum
-from obow.validation import check_choice, check_unit_interval
-from obow.vocabulary import KMeansVocabulary, QueueVocabulary
-
-
-def bow_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """``KL(y_T || softmax(logits))`` averaged over all ``B * n`` predictions (official notes 2.8).
-
-    ``logits`` is ``[B, n, K]`` (``n`` views of each image, image-major), ``targets`` is ``[B, K]`` (one per
-    image, shared by its views) or ``[B, n, K]`` (one per view, e.g. cut-mixed views). Its gradient is that
-    of the paper's cross-entropy (eq. 3); its value is that minus the targets' entropy, so a perfect
-    prediction scores 0. Zero target entries contribute exactly 0 (``0 log 0 = 0``).
-    """
-    if targets.dim() == logits.dim() - 1:
-        targets = targets.unsqueeze(1)
-    if (
-        targets.dim() != logits.dim()
-        or targets.shape[::2] != logits.shape[::2]
-        or targets.shape[1] not in (1, logits.shape[1])
-    ):
-        raise ValueError(
-            f"targets must be [B, K] or [B, n, K] for logits {tuple(logits.shape)}, got {tuple(targets.shape)}"
-        )
-    log_probs = F.log_softmax(at_least_float32(logits), dim=-1)
-    cross_entropy = -(targets * log_probs).sum(dim=-1)
-    neg_entropy = torch.special.xlogy(targets, targets).sum(dim=-1)
-    return (cross_entropy + neg_entropy).mean()
 
 
 def build_predictor(cfg: ModelConfig, student: nn.Module) -> BoWPredictor:
@@ -105,8 +83,8 @@ class OBoWOutput:
     targets: dict[str, Tensor]
 
 
-class OBoW(nn.Module):
-    """Student, EMA teacher, one :class:`~obow.bow.BoWExtractor` per level and a BoW prediction head.
+class OBoW(Method):
+    """Student, EMA teacher, one :class:`~obow.bow.targets.BoWExtractor` per level and a BoW prediction head.
 
     Args:
         student: the backbone being trained; the teacher starts as an exact copy and never gets gradients.
@@ -117,7 +95,7 @@ class OBoW(nn.Module):
         teacher_momentum_schedule: ``"cosine"`` (to 1 at the end) or ``"constant"``.
         loss_weighting: ``"group_sum"`` (official) or ``"view_mean"``.
         cutmix: in training, cut-mix every student view group (one box and one permutation of the batch per
-            group, :mod:`obow.cutmix`) and mix its BoW targets by area. The draws come from
+            group, :mod:`obow.data.cutmix`) and mix its BoW targets by area. The draws come from
             :attr:`cutmix_generator` when set (a CPU ``torch.Generator``), else from torch's global CPU
             generator (saved in checkpoints).
     """

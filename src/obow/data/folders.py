@@ -27,8 +27,8 @@ import torch
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from obow.config import LABEL_MODES
-from obow.validation import check_choice
+from obow.checks import check_choice
+from obow.data import LABEL_MODES
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 #: How many consecutive unreadable files a sample may skip before the dataset gives up.
@@ -288,7 +288,7 @@ class ImageDataset(Dataset):
 def collate(batch: list[dict[str, Any]]) -> dict[str, Any]:
     """Stack a list of :class:`ImageDataset` items; ``"skipped"`` becomes one flat list of paths.
 
-    Views from :class:`~obow.transforms.OBoWViews` collate to ``{"teacher": [B, 3, T, T], "crops":
+    Views from :class:`~obow.data.transforms.OBoWViews` collate to ``{"teacher": [B, 3, T, T], "crops":
     [B, n, 3, c, c], "patches": [B, 5, 3, p, p]}`` (official notes 4).
     """
     skipped = [path for item in batch for path in item["skipped"]]

@@ -24,9 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from obow import distributed as D
-from obow.validation import check_choice, check_unit_interval
-
-QUEUE_SAMPLINGS = ("local_average", "local", "global_average")
+from obow.bow import QUEUE_SAMPLINGS
+from obow.checks import check_choice, check_unit_interval
 
 
 def sample_one_feature_per_image(

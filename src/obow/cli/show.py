@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-NETWORKS = ("student", "teacher")  # obow.evaluate.features.NETWORKS (checked in tests/test_show.py)
+NETWORKS = ("student", "teacher")  # obow.weights.load.NETWORKS (checked in tests/test_show.py)
 
 
 def add_show_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -70,7 +70,7 @@ def _positive_int(text: str) -> int:
 
 
 def run_words(args: argparse.Namespace) -> int:
-    from obow.cli_eval import _device
+    from obow.cli.evaluate import _device
     from obow.show.words import show_words
 
     result = show_words(
@@ -105,7 +105,7 @@ def run_run(args: argparse.Namespace) -> int:
 
 
 def run_neighbours(args: argparse.Namespace) -> int:
-    from obow.cli_eval import _device
+    from obow.cli.evaluate import _device
     from obow.show.neighbours import show_neighbours
 
     result = show_neighbours(

@@ -25,11 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from obow import distributed as D
-from obow.validation import check_choice, check_positive, check_unit_interval
-from obow.vocabulary import Vocabulary
-
-ASSIGNMENTS = ("soft", "hard", "sinkhorn")
-POOLINGS = ("max", "avg")
+from obow.bow import ASSIGNMENTS, POOLINGS
+from obow.bow.vocabulary import Vocabulary
+from obow.checks import check_choice, check_positive, check_unit_interval
 
 
 def at_least_float32(tensor: Tensor) -> Tensor:
@@ -159,7 +157,7 @@ class BoWExtractor(nn.Module):
     ``"nearest"`` ``[B, N]`` and, after an update of a queue, ``"enqueued"``: the words it added ``[B, C]``.
 
     Args:
-        vocabulary: the update rule and its words (see :mod:`obow.vocabulary`).
+        vocabulary: the update rule and its words (see :mod:`obow.bow.vocabulary`).
         delta_base: ``delta = delta_base * mu_MSD`` (1/15 for the ResNet-50 recipe, 1/10 for ResNet-18).
         assignment: ``"soft"`` (paper), ``"hard"`` (ablation) or ``"sinkhorn"`` (balanced k-means codes).
         pooling: ``"max"`` (paper) or ``"avg"``.

@@ -327,9 +327,10 @@ def run_table(
     """Train and evaluate the rows of table ``name`` (see the module docstring); returns the table's record,
     also written to ``<out>/<name>/table.json`` and ``table.md``."""
     from obow.config import load_config
-    from obow.data import scan_images
-    from obow.evaluate.features import align_classes, eval_dataset, load_backbone
+    from obow.data.eval_sets import align_classes, eval_dataset
+    from obow.data.folders import scan_images
     from obow.evaluate.protocol import evaluate_backbone
+    from obow.weights.load import load_backbone
 
     if name not in TABLES:
         raise ValueError(f"unknown table {name!r}; choose one of: {', '.join(TABLES)}")
@@ -417,7 +418,7 @@ def _run_row(
     row: Row, folder: Path, recipe: str, common: list[str], values: dict, budget: int, base: Any
 ) -> dict[str, Any]:
     from obow.config import load_config
-    from obow.train import pretrain
+    from obow.training.loop import pretrain
 
     checkpoint, steps, seconds = None, 0, 0.0
     stages = row.plan()

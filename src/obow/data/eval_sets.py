@@ -1,0 +1,82 @@
+"""Evaluation sets: labelled image folders seen through the teacher's deterministic view.
+
+Images are seen as the teacher saw them during pretraining: ``Resize(teacher_resize)``,
+``CenterCrop(teacher_size)``, the recipe's mean and std (official notes 5.1-5.2 use 256 / 224 on ImageNet).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from obow.config import ViewsConfig, from_dict
+from obow.data.folders import ImageDataset, ImageList, scan_images
+from obow.data.transforms import eval_transform
+
+#: The recipe settings that decide what evaluation images look like.
+VIEW_KEYS = ("teacher_resize", "teacher_size", "mean", "std")
+
+
+def views_dict(views: Any) -> dict[str, Any]:
+    """The evaluation-relevant recipe settings of a :class:`~obow.config.ViewsConfig` as plain data."""
+    return {key: list(v) if isinstance(v := getattr(views, key), tuple) else v for key in VIEW_KEYS}
+
+
+def views_from_dict(values: dict[str, Any] | None, resize: int | None = None, size: int | None = None) -> ViewsConfig:
+    """A :class:`~obow.config.ViewsConfig` holding a recorded evaluation view (``None``: the ImageNet 256 / 224
+    defaults), with ``size`` and ``resize`` overriding it. A ``size`` without ``resize`` resizes to
+    ``size * 256 / 224``, the paper's ratio. Only :data:`VIEW_KEYS` matter for evaluation."""
+    values = {k: v for k, v in (values or {}).items() if k in VIEW_KEYS}
+    if size is not None:
+        values["teacher_size"] = size
+        values["teacher_resize"] = round(size * 256 / 224)
+    if resize is not None:
+        values["teacher_resize"] = resize
+    return from_dict(ViewsConfig, values)
+
+
+def eval_dataset(root: str | Path | ImageList, views: Any, labels: str = "folders") -> ImageDataset:
+    """The images under ``root`` (or an already scanned :class:`~obow.data.folders.ImageList`) through the teacher's
+    deterministic view: resize, centre crop, normalise.
+
+    ``views`` is a :class:`~obow.config.ViewsConfig` or anything with its ``teacher_resize``,
+    ``teacher_size``, ``mean`` and ``std``. With ``labels="folders"`` the immediate sub-folders are the
+    classes; a folder without them raises ``ValueError`` saying so.
+    """
+    if isinstance(root, ImageList):
+        images = root
+    else:
+        images = scan_labelled(root) if labels == "folders" else scan_images(root, labels=labels)
+    transform = eval_transform(views.teacher_resize, views.teacher_size, views.mean, views.std)
+    return ImageDataset(images, transform)
+
+
+def scan_labelled(root: str | Path) -> ImageList:
+    """The class-folder images under ``root``; a clear ``ValueError`` when there are no class folders."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"image folder {str(root)!r} does not exist")
+    try:
+        images = scan_images(root, labels="folders")
+    except ValueError as err:
+        raise ValueError(
+            f"{root} holds no labelled images: this protocol needs class folders ({root}/<class>/<image>): {err}"
+        ) from None
+    return images
+
+
+def align_classes(train: ImageList, test: ImageList) -> ImageList:
+    """``test`` with its labels re-indexed to ``train``'s classes, matched by folder name.
+
+    A test split may hold a subset of the training classes (their indices would otherwise shift); a test
+    class absent from training raises ``ValueError`` naming it.
+    """
+    unknown = sorted(set(test.classes or ()) - set(train.classes or ()))
+    if unknown:
+        raise ValueError(
+            f"{test.root} has classes that {train.root} lacks: {', '.join(unknown[:10])}"
+            f"{' ...' if len(unknown) > 10 else ''}; every test class folder must also exist in the training split"
+        )
+    index = {name: i for i, name in enumerate(train.classes or ())}
+    labels = [index[test.classes[label]] for label in test.labels]
+    return ImageList(root=test.root, paths=test.paths, labels=labels, classes=list(train.classes))

@@ -1,0 +1,10 @@
+"""``obow pretrain``: the training loop (:mod:`~obow.training.loop`), what a run saves and how it resumes
+(:mod:`~obow.training.state`), and its logs (:mod:`~obow.training.logger`).
+
+The allowed values of the training settings are declared here, without importing PyTorch.
+"""
+
+#: Where a run computes: a GPU when one is visible (auto), or the one named.
+DEVICES = ("auto", "cpu", "cuda")
+#: Arithmetic of the forward pass: float32, or bfloat16 / float16 autocast (the BoW codes stay float32).
+PRECISIONS = ("fp32", "bf16", "fp16")

@@ -1,0 +1,233 @@
+"""Backbone weights, from wherever they come: the layer below both training and evaluation.
+
+A backbone comes from one of three sources:
+
+* a pretraining checkpoint (``obow pretrain``): the ``student.*`` or ``teacher.*`` entries of the OBoW
+  ``state_dict``, loaded with ``strict=True`` (the official code loads with ``strict=False`` and an ignored
+  message, official notes 5.1, so a key mismatch went unnoticed there);
+* a file written by ``obow export --format torchvision`` (its ``.json`` sidecar names the architecture and
+  stem), or any torchvision ResNet ``state_dict``;
+* a random initialisation (seeded), the baseline every number should be compared with.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from obow.backbones import STEMS, ResNetBackbone, build_backbone, parse_arch
+from obow.checks import check_choice
+from obow.config import Config, from_dict
+from obow.data.eval_sets import views_dict
+from obow.weights.checkpoint import load_checkpoint
+
+NETWORKS = ("student", "teacher")
+
+
+def load_backbone(
+    checkpoint: str | Path | None = None,
+    *,
+    network: str = "student",
+    backbone_file: str | Path | None = None,
+    random_init: bool = False,
+    arch: str | None = None,
+    stem: str | None = None,
+    seed: int = 0,
+    arch_options: dict[str, Any] | None = None,
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A :class:`~obow.backbones.ResNetBackbone` and a description of where its weights came from.
+
+    Give a pretraining ``checkpoint`` (``network`` picks the student or the EMA teacher), or an exported
+    ``backbone_file``, or ``random_init=True`` (seeded by ``seed``; the architecture comes from
+    ``checkpoint``'s recipe when one is given, else from ``arch`` and ``stem``). ``arch`` and ``stem``, when
+    given with a file, are the architecture the caller expects: a file holding another raises ``ValueError``
+    naming both.
+
+    The description holds ``kind`` (``"checkpoint"``, ``"exported"`` or ``"random_init"``), ``path``,
+    ``network``, ``epoch``, ``iteration``, ``arch``, ``stem``, ``seed`` (random init) and ``views``: the
+    recipe's ``teacher_resize``, ``teacher_size``, ``mean`` and ``std`` (``None`` when unknown).
+    """
+    check_choice("network", network, NETWORKS)
+    if stem is not None:
+        check_choice("stem", stem, STEMS)
+    if checkpoint is not None and backbone_file is not None:
+        raise ValueError("give either a pretraining checkpoint or an exported backbone file, not both")
+    if random_init and backbone_file is not None:
+        raise ValueError("random_init builds a fresh network; it cannot be combined with an exported backbone file")
+    if checkpoint is None and backbone_file is None and not random_init:
+        raise ValueError("nothing to evaluate: give a checkpoint, an exported backbone file or random_init=True")
+
+    if checkpoint is not None:
+        ckpt = load_checkpoint(checkpoint)
+        cfg = from_dict(Config, ckpt["config"])
+        what = f"checkpoint {str(checkpoint)!r}"
+        _check_expected(arch, stem, cfg.model.arch, cfg.model.stem, what)
+        info = {
+            "path": str(checkpoint),
+            "arch": cfg.model.arch,
+            "stem": cfg.model.stem,
+            "arch_options": dict(cfg.model.arch_options),
+            "views": views_dict(cfg.views),
+        }
+        if random_init:
+            backbone = _random_backbone(cfg.model.arch, cfg.model.stem, seed, cfg.model.arch_options)
+            return backbone, {**info, **_random_info(seed)}
+        backbone = build_backbone(cfg.model.arch, cfg.model.stem, cfg.model.arch_options)
+        load_weights(backbone, network_state(ckpt["model"], network, what), f"{what} ({network})")
+        info.update(kind="checkpoint", network=network, epoch=ckpt.get("epoch"), iteration=ckpt.get("iteration"))
+        return backbone, info
+
+    if backbone_file is not None:
+        return _load_exported(Path(backbone_file), arch, stem)
+
+    if arch is None:
+        raise ValueError("a random initialisation without a checkpoint needs an architecture: give arch (--arch)")
+    stem = stem or "torchvision"
+    info = {"path": None, "arch": arch, "stem": stem, "arch_options": dict(arch_options or {}), "views": None}
+    return _random_backbone(arch, stem, seed, arch_options), {**info, **_random_info(seed)}
+
+
+def network_state(model_state: dict[str, Tensor], network: str, what: str = "the checkpoint") -> dict[str, Tensor]:
+    """The ``student.*`` or ``teacher.*`` entries of an OBoW ``state_dict``, prefix stripped."""
+    check_choice("network", network, NETWORKS)
+    prefix = f"{network}."
+    state = {k[len(prefix) :]: v for k, v in model_state.items() if k.startswith(prefix)}
+    if not state:
+        raise ValueError(f"{what} holds no {network!r} weights (no keys starting with {prefix!r})")
+    return state
+
+
+def _random_info(seed: int) -> dict[str, Any]:
+    return {"kind": "random_init", "network": None, "epoch": None, "iteration": None, "seed": seed}
+
+
+def _random_backbone(arch: str, stem: str, seed: int, options: dict[str, Any] | None = None) -> torch.nn.Module:
+    # fork_rng: the seed fixes this network without reseeding the caller's generator
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_backbone(arch, stem, options)
+
+
+def _check_expected(arch: str | None, stem: str | None, found_arch: str, found_stem: str, what: str) -> None:
+    if arch is not None and arch != found_arch:
+        raise ValueError(
+            f"{what} holds a {found_arch} backbone ({found_stem} stem), but {arch} was requested (--arch); "
+            f"drop --arch or give a {arch} checkpoint"
+        )
+    if stem is not None and stem != found_stem:
+        raise ValueError(
+            f"{what} holds a backbone with the {found_stem} stem ({found_arch}), but the {stem} stem was requested "
+            "(--stem); drop --stem or give a matching checkpoint"
+        )
+
+
+def _load_exported(path: Path, arch: str | None, stem: str | None) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Read an ``obow export --format torchvision`` file (or a torchvision ResNet ``state_dict``)."""
+    if not path.is_file():
+        raise ValueError(f"backbone file {str(path)!r} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same clear message
+        raise ValueError(
+            f"cannot read backbone file {str(path)!r} as a torch state_dict ({err}); give a file written by "
+            "`obow export --format torchvision` (a detectron2 export is for Detectron2 only)"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise ValueError(f"backbone file {str(path)!r} does not hold a state_dict (a mapping of names to tensors)")
+    meta_path = Path(f"{path}.json")
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    what = f"backbone file {str(path)!r}"
+    if meta.get("arch") and parse_arch(meta["arch"])[0] != "resnet":
+        found_arch, found_stem = meta["arch"], meta.get("stem", "torchvision")
+        _check_expected(arch, stem, found_arch, found_stem, what)
+        backbone = build_backbone(found_arch, found_stem, meta.get("arch_options"))
+        backbone.load_export_state_dict(state)
+        keys = ("network", "epoch", "iteration", "views", "arch_options")
+        return backbone, {"kind": "exported", "path": str(path), "arch": found_arch, "stem": found_stem} | {
+            k: meta.get(k) for k in keys
+        }
+    state = {k: v for k, v in state.items() if not k.startswith("fc.")}
+    guessed_arch, guessed_stem = guess_architecture(state)
+    found_arch = meta.get("arch") or guessed_arch
+    # without the sidecar, a 7x7 conv1 cannot tell the torchvision stem from no_maxpool: trust --stem if given
+    found_stem = (
+        meta.get("stem") or (guessed_stem if guessed_stem == "cifar" or stem is None else stem) or "torchvision"
+    )
+    if found_arch is None:
+        if arch is None:
+            raise ValueError(
+                f"{what} has no {meta_path.name} sidecar and its architecture is not recognised: give --arch"
+            )
+        found_arch = arch
+    _check_expected(arch, stem, found_arch, found_stem, what)
+    backbone = ResNetBackbone(found_arch, found_stem)
+    load_weights(backbone, state, what)
+    info = {
+        "kind": "exported",
+        "path": str(path),
+        "network": meta.get("network"),
+        "epoch": meta.get("epoch"),
+        "iteration": meta.get("iteration"),
+        "arch": found_arch,
+        "stem": found_stem,
+        "views": meta.get("views"),
+    }
+    return backbone, info
+
+
+#: Blocks per stage and block type of each torchvision ResNet (``layer1.0.conv2`` tells the Bottleneck kinds apart).
+_SIGNATURES = {
+    ((2, 2, 2, 2), None): "resnet18",
+    ((3, 4, 6, 3), None): "resnet34",
+    ((3, 4, 6, 3), (64, 64)): "resnet50",
+    ((3, 4, 6, 3), (128, 4)): "resnext50_32x4d",
+    ((3, 4, 6, 3), (128, 128)): "wide_resnet50_2",
+    ((3, 4, 23, 3), (64, 64)): "resnet101",
+    ((3, 8, 36, 3), (64, 64)): "resnet152",
+}
+
+
+def guess_architecture(state: dict[str, Tensor]) -> tuple[str | None, str | None]:
+    """The torchvision architecture and stem a backbone ``state_dict`` looks like (``None`` when unknown).
+
+    The stem is ``"cifar"`` for a 3x3 ``conv1``, else ``"torchvision"`` (a ``"no_maxpool"`` stem has the same
+    weights and cannot be recognised from them).
+    """
+    blocks = tuple(len({k.split(".")[1] for k in state if k.startswith(f"layer{i}.")}) for i in range(1, 5))
+    conv3 = state.get("layer1.0.conv3.weight")
+    conv2 = state.get("layer1.0.conv2.weight")
+    bottleneck = tuple(conv2.shape[:2]) if conv3 is not None and conv2 is not None else None
+    conv1 = state.get("conv1.weight")
+    stem = None if conv1 is None else ("cifar" if conv1.shape[-1] == 3 else "torchvision")
+    return _SIGNATURES.get((blocks, bottleneck)), stem
+
+
+def load_weights(backbone: ResNetBackbone, state: dict[str, Tensor], what: str) -> None:
+    """``load_state_dict(strict=True)`` with a message naming the expected and the found architecture."""
+    expected = backbone.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    reshaped = [k for k in expected if k in state and state[k].shape != expected[k].shape]
+    if missing or unexpected or reshaped:
+        found_arch, found_stem = guess_architecture(state)
+        looks = f"{found_arch or 'an unknown architecture'} ({found_stem or 'unknown'} stem)"
+        details = []
+        if missing:
+            details.append(f"{len(missing)} missing keys (e.g. {missing[0]})")
+        if unexpected:
+            details.append(f"{len(unexpected)} unexpected keys (e.g. {unexpected[0]})")
+        if reshaped:
+            k = reshaped[0]
+            details.append(
+                f"{len(reshaped)} of another shape (e.g. {k}: {list(state[k].shape)} instead of "
+                f"{list(expected[k].shape)})"
+            )
+        raise ValueError(
+            f"the weights in {what} do not fit a {backbone.arch} with the {backbone.stem} stem; they look like "
+            f"{looks}: {', '.join(details)}"
+        )
+    backbone.load_state_dict(state, strict=True)

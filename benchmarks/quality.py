@@ -39,6 +39,7 @@ from obow.config import load_config
 from obow.data.eval_sets import align_classes, eval_dataset
 from obow.data.folders import scan_images
 from obow.evaluate.protocol import evaluate_backbone
+from obow.evaluate.monitor import KNNMonitor
 from obow.training.loop import pretrain
 from obow.weights.load import load_backbone
 
@@ -122,7 +123,7 @@ def main() -> int:
             print(f"{name}: {seconds:.2f} s/step, {per_epoch} steps/epoch -> {epochs} epochs", flush=True)
         cfg = load_config(recipe, overrides)
         start = time.time()
-        result = pretrain(cfg, out)
+        result = pretrain(cfg, out, monitor=KNNMonitor)
         wall = time.time() - start
         timing = out / "quality_timing.json"  # the first (real) pretraining's wall time, kept across re-runs
         if not timing.exists():

@@ -8,7 +8,8 @@ import pytest
 from PIL import Image
 from test_export import make_checkpoint
 
-from obow.cli.evaluate import add_eval_parser, add_export_parser
+from obow.cli.evaluate import add_eval_parser
+from obow.cli.weights import add_export_parser
 from obow.data.eval_sets import eval_dataset, views_from_dict
 from obow.evaluate.features import extract_features
 from obow.evaluate.fewshot import prototype_accuracy, sample_episodes

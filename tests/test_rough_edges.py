@@ -18,14 +18,15 @@ from obow.backbones import ARCHITECTURES, STEMS, BackboneOutput
 from obow.bow.predictor import DynamicBoWPredictor
 from obow.bow.targets import BoWExtractor
 from obow.bow.vocabulary import QueueVocabulary
+from obow.cli import common as cli_common
 from obow.cli import evaluate as cli_eval
 from obow.config import ConfigError, load_config
 from obow.data.folders import scan_images
 from obow.evaluate.finetune import FINETUNE_PRESETS
 from obow.evaluate.knn import DEFAULT_TEMPERATURE
 from obow.evaluate.linear import LINEAR_PRESETS
+from obow.evaluate.monitor import KNNMonitor
 from obow.methods.obow import OBoW
-from obow.training.loop import KNNMonitor
 from obow.weights.export import FORMATS
 from obow.weights.load import NETWORKS
 
@@ -59,8 +60,8 @@ def test_python_dash_m_obow_and_a_parser_without_torch():
 
 
 def test_the_light_parser_offers_the_library_choices():
-    assert cli_eval.ARCHITECTURES == ARCHITECTURES and cli_eval.STEMS == STEMS
-    assert cli_eval.NETWORKS == NETWORKS and cli_eval.FORMATS == FORMATS
+    assert cli_common.ARCHITECTURES == ARCHITECTURES and cli_common.STEMS == STEMS
+    assert cli_common.NETWORKS == NETWORKS and cli_common.FORMATS == FORMATS
     assert cli_eval.LINEAR_PRESET_NAMES == tuple(LINEAR_PRESETS)
     assert cli_eval.FRACTIONS == {p.fraction: name for name, p in FINETUNE_PRESETS.items()}
     assert cli_eval.DEFAULT_TEMPERATURE == DEFAULT_TEMPERATURE

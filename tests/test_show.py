@@ -14,7 +14,7 @@ from torch import nn
 
 from obow import cli
 from obow.backbones import BackboneOutput
-from obow.cli import show as cli_show
+from obow.cli import common as cli_common
 from obow.config import ViewsConfig
 from obow.data.eval_sets import eval_dataset
 from obow.show.neighbours import nearest
@@ -47,7 +47,7 @@ def pixels_of(image_path):
 
 
 def test_cli_networks_are_the_library_ones():
-    assert cli_show.NETWORKS == NETWORKS
+    assert cli_common.NETWORKS == NETWORKS
 
 
 def test_receptive_box_by_hand():

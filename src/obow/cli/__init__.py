@@ -65,8 +65,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from obow.cli.evaluate import add_eval_parser, add_export_parser, add_import_parser
+    from obow.cli.evaluate import add_eval_parser
     from obow.cli.show import add_show_parser
+    from obow.cli.weights import add_export_parser, add_import_parser
 
     parser = argparse.ArgumentParser(prog="obow", description="OBoW self-supervised pretraining and evaluation")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
@@ -128,10 +129,11 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     if cfg.data.path is None:
         raise ConfigError("no training images: pass --data DIR (or set data.path in the recipe)")
     out = Path(args.out or Path("runs") / (Path(args.config).stem if args.config else "obow"))
+    from obow.evaluate.monitor import KNNMonitor
     from obow.training.loop import Interrupted, pretrain
 
     try:
-        result = pretrain(cfg, out)
+        result = pretrain(cfg, out, monitor=KNNMonitor)
     except Interrupted:
         return 130
     print(f"done: {result['epochs']} epochs, checkpoint {result['checkpoint']}")

@@ -1,11 +1,10 @@
-"""The ``obow eval`` and ``obow export`` commands.
+"""The ``obow eval`` commands.
 
     obow eval knn      --checkpoint runs/x/checkpoint.pt --data DIR [--k 200 20] [--temperature 0.1]
     obow eval linear   --checkpoint runs/x/checkpoint.pt --data DIR [--preset resnet18|resnet50] [--epochs N]
     obow eval fewshot  --checkpoint runs/x/checkpoint.pt --data DIR [--ways 50] [--shots 1 5] [--episodes 200]
     obow eval finetune --checkpoint runs/x/checkpoint.pt --data DIR [--fraction 0.01|0.1]
     obow eval knn --random-init --arch resnet18 --data DIR --out random.json     # the baseline
-    obow export --checkpoint runs/x/checkpoint.pt --out backbone.pth --format torchvision|timm|detectron2
 
 ``DIR`` holds ``train/`` and ``val/`` (or ``test/``) class folders. kNN, linear and fine-tuning train on
 ``train/`` and test on ``val/``; few-shot episodes are drawn from ``val/`` (the paper draws them from the
@@ -18,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import sys
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from obow import __version__
+from obow.cli.common import NETWORKS, STEMS, device_from_name, positive_float, positive_int, write_json
 
 if TYPE_CHECKING:
     import torch
@@ -35,20 +32,7 @@ if TYPE_CHECKING:
 
 PROTOCOLS = ("knn", "linear", "fewshot", "finetune")
 EXTRACT_BATCH = 256
-# The choices the parser offers, spelled out here so that building it imports no PyTorch (``obow --help`` is
-# instant); tests/test_rough_edges.py checks each against the library's own list.
-ARCHITECTURES = (
-    "resnet18",
-    "resnet34",
-    "resnet50",
-    "resnet101",
-    "resnet152",
-    "resnext50_32x4d",
-    "wide_resnet50_2",
-)  # obow.backbones.ARCHITECTURES
-STEMS = ("torchvision", "no_maxpool", "cifar")  # obow.backbones.STEMS
-NETWORKS = ("student", "teacher")  # obow.weights.load.NETWORKS
-FORMATS = ("torchvision", "timm", "detectron2")  # obow.weights.export.FORMATS
+# Spelled out so that building the parser imports no PyTorch; tests/test_rough_edges.py checks each.
 LINEAR_PRESET_NAMES = ("resnet18", "resnet50")  # obow.evaluate.linear.LINEAR_PRESETS
 #: Fine-tuning presets by labelled fraction (paper section 4.3; obow.evaluate.finetune.FINETUNE_PRESETS).
 FRACTIONS = {0.01: "1%", 0.1: "10%"}
@@ -66,89 +50,39 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     common = _common_options()
 
     p = protocols.add_parser("knn", parents=[common], help="weighted kNN on frozen pool5 features")
-    p.add_argument("--k", type=_positive_int, nargs="+", help="neighbours (default: both 200 and 20)")
-    p.add_argument("--temperature", type=_positive_float, default=DEFAULT_TEMPERATURE, help="default 0.1")
+    p.add_argument("--k", type=positive_int, nargs="+", help="neighbours (default: both 200 and 20)")
+    p.add_argument("--temperature", type=positive_float, default=DEFAULT_TEMPERATURE, help="default 0.1")
     p.set_defaults(func=run_knn)
 
     p = protocols.add_parser("linear", parents=[common], help="linear probe on pre-cached features (sec. 4.1)")
     p.add_argument("--preset", choices=LINEAR_PRESET_NAMES, help="default: resnet18 for resnet18/34, else resnet50")
-    p.add_argument("--epochs", type=_positive_int, help="override the preset's epochs")
-    p.add_argument("--lr", type=_positive_float, help="override the preset's learning rate")
+    p.add_argument("--epochs", type=positive_int, help="override the preset's epochs")
+    p.add_argument("--lr", type=positive_float, help="override the preset's learning rate")
     p.add_argument("--wd", type=float, help="override the preset's weight decay")
-    p.add_argument("--batch", type=_positive_int, help="override the preset's batch size")
+    p.add_argument("--batch", type=positive_int, help="override the preset's batch size")
     p.add_argument(
         "--batch-norm", action="store_true", help="a non-affine batch norm before the linear layer (scale-free)"
     )
     p.set_defaults(func=run_linear)
 
     p = protocols.add_parser("fewshot", parents=[common], help="N-way K-shot prototype episodes (sec. 4.1)")
-    p.add_argument("--ways", type=_positive_int, help="classes per episode (default min(50, classes))")
-    p.add_argument("--shots", type=_positive_int, nargs="+", default=[1, 5], help="default: 1 5")
-    p.add_argument("--queries", type=_positive_int, default=1, help="query images per class (default 1)")
-    p.add_argument("--episodes", type=_positive_int, default=200, help="default 200")
+    p.add_argument("--ways", type=positive_int, help="classes per episode (default min(50, classes))")
+    p.add_argument("--shots", type=positive_int, nargs="+", default=[1, 5], help="default: 1 5")
+    p.add_argument("--queries", type=positive_int, default=1, help="query images per class (default 1)")
+    p.add_argument("--episodes", type=positive_int, default=200, help="default 200")
     p.add_argument("--split", choices=("val", "train"), default="val", help="where episodes come from (val)")
     p.set_defaults(func=run_fewshot)
 
     p = protocols.add_parser("finetune", parents=[common], help="semi-supervised fine-tuning (sec. 4.3)")
     p.add_argument("--fraction", type=float, choices=tuple(FRACTIONS), default=0.01, help="0.01 or 0.1")
-    p.add_argument("--epochs", type=_positive_int, help="override the preset's epochs")
-    p.add_argument("--head-lr", type=_positive_float, help="override the head's learning rate (0.5)")
+    p.add_argument("--epochs", type=positive_int, help="override the preset's epochs")
+    p.add_argument("--head-lr", type=positive_float, help="override the head's learning rate (0.5)")
     p.add_argument("--trunk-lr", type=float, help="override the trunk's learning rate (0.0002)")
-    p.add_argument("--milestones", type=_positive_int, nargs="*", help="override the decay epochs")
-    p.add_argument("--gamma", type=_positive_float, help="override the decay factor (0.2)")
+    p.add_argument("--milestones", type=positive_int, nargs="*", help="override the decay epochs")
+    p.add_argument("--gamma", type=positive_float, help="override the decay factor (0.2)")
     p.add_argument("--wd", type=float, help="override the weight decay (0)")
     p.set_defaults(func=run_finetune)
     return parser
-
-
-def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``obow export --checkpoint PATH --out FILE --format torchvision|detectron2``."""
-    p = subparsers.add_parser(
-        "export",
-        help="write a pretrained backbone for torchvision or Detectron2",
-        description="Write the backbone of a pretraining checkpoint, plus FILE.json describing it.",
-    )
-    p.add_argument("--checkpoint", required=True, help="a pretraining checkpoint (obow pretrain)")
-    p.add_argument("--out", required=True, help="output file")
-    p.add_argument(
-        "--format", choices=FORMATS, default=None, help="default: timm for timm: backbones, else torchvision"
-    )
-    p.add_argument("--network", choices=NETWORKS, default="student", help="default student")
-    p.set_defaults(func=run_export)
-    return p
-
-
-def add_import_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``obow import-official FILE --out CKPT``."""
-    p = subparsers.add_parser(
-        "import-official",
-        help="turn a checkpoint released by the authors (valeoai/obow) into an obow checkpoint",
-        description="Read an official OBoW checkpoint (full model, feature extractor only, or torchvision format) "
-        "and write an obow checkpoint for obow eval, export and show.",
-    )
-    p.add_argument("file", help="the official .pth.tar file")
-    p.add_argument("--out", required=True, help="the obow checkpoint to write")
-    p.add_argument("--arch", choices=ARCHITECTURES, help="the backbone (default: recognised from the weights)")
-    p.add_argument("--delta-base", type=_positive_float, help="delta_base (default: the matching recipe's)")
-    p.set_defaults(func=run_import)
-    return p
-
-
-def run_import(args: argparse.Namespace) -> int:
-    """``obow import-official``: convert, then say what was written and what it can be used for."""
-    from obow.weights.official import import_official
-
-    summary = import_official(args.file, args.out, arch=args.arch, delta_base=args.delta_base)
-    if summary["kind"] == "full":
-        what = (
-            f"student, teacher, {', '.join(summary['levels'])} vocabularies of {summary['num_words']} words, "
-            f"kappa {summary['kappa']:g}"
-        )
-    else:
-        what = "the student backbone only"
-    print(f"wrote {args.out}: {summary['arch']}, epoch {summary['epoch']}, {what}")
-    print(f"next: obow eval knn --checkpoint {args.out} --data <folder with train/ and val/>")
-    return 0
 
 
 def _common_options() -> argparse.ArgumentParser:
@@ -169,10 +103,10 @@ def _common_options() -> argparse.ArgumentParser:
         help="JSON report (default <checkpoint dir>/eval/<protocol>.json, or for --random-init without a "
         "checkpoint runs/eval/random_init_<arch>_<stem>/<protocol>.json)",
     )
-    run.add_argument("--size", type=_positive_int, help="centre-crop size (default: the recipe's teacher size)")
-    run.add_argument("--resize", type=_positive_int, help="resize before the crop (default: the recipe's)")
+    run.add_argument("--size", type=positive_int, help="centre-crop size (default: the recipe's teacher size)")
+    run.add_argument("--resize", type=positive_int, help="resize before the crop (default: the recipe's)")
     run.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    run.add_argument("--batch-size", type=_positive_int, help="images per batch (default 256)")
+    run.add_argument("--batch-size", type=positive_int, help="images per batch (default 256)")
     run.add_argument(
         "--workers",
         type=int,
@@ -181,20 +115,6 @@ def _common_options() -> argparse.ArgumentParser:
     )
     run.add_argument("--seed", type=int, default=0, help="random init, episodes, subsets and shuffling (0)")
     return common
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
 
 
 # --------------------------------------------------------------------------------------------- protocols
@@ -315,7 +235,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     train_images, test_images = run.splits()
     subset = balanced_subset(train_images.labels, args.fraction, seed=args.seed)
     subset_file = run.out.with_name(f"{run.out.stem}_subset.json")
-    _write_json(subset_file, subset_listing(train_images, subset))
+    write_json(subset_file, subset_listing(train_images, subset))
     result = finetune(
         run.backbone,
         ImageDataset(train_images, finetune_transform(run.views)),
@@ -337,22 +257,6 @@ def run_finetune(args: argparse.Namespace) -> int:
         numbers,
         {"preset": preset_name, "fraction": args.fraction, **settings, **extra, "subset_file": str(subset_file)},
     )
-    return 0
-
-
-def run_export(args: argparse.Namespace) -> int:
-    """``obow export``: write the backbone and its ``.json`` sidecar; print what was written."""
-    from obow.weights.export import export_backbone
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        meta = export_backbone(args.checkpoint, args.out, network=args.network, fmt=args.format)
-    print(
-        f"wrote {args.out} ({meta['format']}: {meta['arch']}, {meta['stem']} stem, {meta['network']}, "
-        f"epoch {meta['epoch']}) and {args.out}.json"
-    )
-    for warning in caught:
-        print(f"warning: {warning.message}", file=sys.stderr)
     return 0
 
 
@@ -395,7 +299,7 @@ class _Run:
             seed=args.seed,
         )
         self.views = views_from_dict(self.info["views"], resize=args.resize, size=args.size)
-        self.device = _device(args.device)
+        self.device = device_from_name(args.device)
         self.out = self._out_path()
         self.skipped: list[str] = []
         self._data_info: dict[str, Any] = {}
@@ -490,7 +394,7 @@ class _Run:
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "obow_version": __version__,
         }
-        _write_json(self.out, report)
+        write_json(self.out, report)
         print(f"wrote {self.out}")
 
 
@@ -500,19 +404,3 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.2f}" if abs(value) >= 0.1 or value == 0 else f"{value:g}"
     return str(value)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2) + "\n")
-
-
-def _device(name: str) -> torch.device:
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
-    return device

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-NETWORKS = ("student", "teacher")  # obow.weights.load.NETWORKS (checked in tests/test_show.py)
+from obow.cli.common import NETWORKS, device_from_name, positive_int
 
 
 def add_show_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -32,8 +32,8 @@ def add_show_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--network", choices=NETWORKS, default="teacher", help="whose feature maps (default teacher)")
     p.add_argument("--level", help="BoW level (default conv5, or the recipe's last level)")
     p.add_argument("--words", default="most-used", help="most-used (default), random, or indices such as 3,17,42")
-    p.add_argument("--num-words", type=_positive_int, default=16, help="words shown for most-used / random (16)")
-    p.add_argument("--tile", type=_positive_int, default=64, help="patch size in the grid, pixels (64)")
+    p.add_argument("--num-words", type=positive_int, default=16, help="words shown for most-used / random (16)")
+    p.add_argument("--tile", type=positive_int, default=64, help="patch size in the grid, pixels (64)")
     _run_options(p, batch_size=32)
     p.set_defaults(func=run_words)
 
@@ -47,9 +47,9 @@ def add_show_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--data", required=True, help="folder holding train/ and val/ (or test/) class folders")
     p.add_argument("--out", required=True, help="output PNG")
     p.add_argument("--network", choices=NETWORKS, default="student", help="default student")
-    p.add_argument("--queries", type=_positive_int, default=8, help="query images from val/ or test/ (8)")
-    p.add_argument("--k", type=_positive_int, default=5, help="neighbours per query and network (5)")
-    p.add_argument("--tile", type=_positive_int, default=64, help="image size in the grid, pixels (64)")
+    p.add_argument("--queries", type=positive_int, default=8, help="query images from val/ or test/ (8)")
+    p.add_argument("--k", type=positive_int, default=5, help="neighbours per query and network (5)")
+    p.add_argument("--tile", type=positive_int, default=64, help="image size in the grid, pixels (64)")
     _run_options(p, batch_size=256)
     p.set_defaults(func=run_neighbours)
     return parser
@@ -57,20 +57,12 @@ def add_show_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 def _run_options(p: argparse.ArgumentParser, batch_size: int) -> None:
     p.add_argument("--seed", type=int, default=0, help="random words, queries and random init (0)")
-    p.add_argument("--batch-size", type=_positive_int, default=batch_size, help=f"images per batch ({batch_size})")
+    p.add_argument("--batch-size", type=positive_int, default=batch_size, help=f"images per batch ({batch_size})")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="data loaders (min(4, CPUs))")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def run_words(args: argparse.Namespace) -> int:
-    from obow.cli.evaluate import _device
     from obow.show.words import show_words
 
     result = show_words(
@@ -84,7 +76,7 @@ def run_words(args: argparse.Namespace) -> int:
         seed=args.seed,
         tile=args.tile,
         batch_size=args.batch_size,
-        device=_device(args.device),
+        device=device_from_name(args.device),
         num_workers=args.workers,
     )
     print(
@@ -105,7 +97,6 @@ def run_run(args: argparse.Namespace) -> int:
 
 
 def run_neighbours(args: argparse.Namespace) -> int:
-    from obow.cli.evaluate import _device
     from obow.show.neighbours import show_neighbours
 
     result = show_neighbours(
@@ -118,7 +109,7 @@ def run_neighbours(args: argparse.Namespace) -> int:
         seed=args.seed,
         tile=args.tile,
         batch_size=args.batch_size,
-        device=_device(args.device),
+        device=device_from_name(args.device),
         num_workers=args.workers,
     )
     shares = ", ".join(f"{name} {100 * share:.1f}%" for name, share in result["same_class"].items())

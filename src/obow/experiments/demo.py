@@ -86,6 +86,7 @@ def run_demo(out: Path, overrides: list[str]) -> dict:
     from obow.evaluate.features import extract_features
     from obow.evaluate.fewshot import prototype_accuracy, sample_episodes
     from obow.evaluate.knn import knn_accuracy
+    from obow.evaluate.monitor import KNNMonitor
     from obow.training.loop import pretrain
     from obow.weights.load import load_backbone
 
@@ -93,7 +94,7 @@ def run_demo(out: Path, overrides: list[str]) -> dict:
     train_dir, val_dir = write_digits(out / "data")
     cfg = load_config("demo", [*overrides, f"data.path={train_dir}", f"data.val_path={val_dir}"])
     log.info("Demo: pretraining %s on %s (recipe 'demo')", cfg.model.arch, train_dir)
-    result = pretrain(cfg, out / "pretrain")
+    result = pretrain(cfg, out / "pretrain", monitor=KNNMonitor)
     pretrain_time = time.time() - start
 
     train_set = eval_dataset(train_dir, cfg.views)

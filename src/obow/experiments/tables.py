@@ -418,6 +418,7 @@ def _run_row(
     row: Row, folder: Path, recipe: str, common: list[str], values: dict, budget: int, base: Any
 ) -> dict[str, Any]:
     from obow.config import load_config
+    from obow.evaluate.monitor import KNNMonitor
     from obow.training.loop import pretrain
 
     checkpoint, steps, seconds = None, 0, 0.0
@@ -431,7 +432,7 @@ def _run_row(
         cfg = load_config(recipe, items)
         run_dir = folder if len(stages) == 1 else folder / stage.name
         start = time.time()
-        summary = pretrain(cfg, run_dir)
+        summary = pretrain(cfg, run_dir, monitor=KNNMonitor)
         seconds += time.time() - start
         checkpoint, steps = summary["checkpoint"], steps + summary["iteration"]
     return {"label": row.label, "slug": row.slug, "checkpoint": checkpoint, "steps": steps, "minutes": seconds / 60}

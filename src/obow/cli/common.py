@@ -1,0 +1,57 @@
+"""What the command groups share: the parsers' choices (spelled out so that building a parser imports no
+PyTorch, and ``obow --help`` is instant; tests/test_rough_edges.py checks each against the library's own
+list), argument types, the device option and JSON reports."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+ARCHITECTURES = (
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+    "resnext50_32x4d",
+    "wide_resnet50_2",
+)  # obow.backbones.ARCHITECTURES
+STEMS = ("torchvision", "no_maxpool", "cifar")  # obow.backbones.STEMS
+NETWORKS = ("student", "teacher")  # obow.weights.load.NETWORKS
+FORMATS = ("torchvision", "timm", "detectron2")  # obow.weights.export.FORMATS
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def device_from_name(name: str) -> torch.device:
+    """``--device``: ``auto`` (a GPU when one is visible), ``cpu``, ``cuda`` or ``cuda:N``."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    return device

@@ -1,0 +1,124 @@
+"""A run's logs, on the main process only: ``log.jsonl`` (one JSON object per step and per epoch),
+TensorBoard scalars, the epoch line and a progress bar."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from obow.config import Config
+
+log = logging.getLogger("obow")
+
+
+class RunLogger:
+    """JSON lines, TensorBoard scalars and a progress bar, on the main process only."""
+
+    def __init__(self, out: Path, cfg: Config, enabled: bool) -> None:
+        self.enabled = enabled
+        self.cfg = cfg
+        self.jsonl = open(out / "log.jsonl", "a") if enabled else None  # noqa: SIM115 - closed in close()
+        self.tb = None
+        if enabled and cfg.train.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out / "tensorboard"))
+        self.last_time = time.time()
+        self.last_iteration: int | None = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+
+    def step(self, epoch: int, iteration: int, lr: float, metrics: dict[str, float], skipped: int, batch: int) -> None:
+        if not self.enabled:
+            return
+        now = time.time()
+        rate = None
+        if self.last_iteration is not None and iteration > self.last_iteration:
+            rate = (iteration - self.last_iteration) * batch / (now - self.last_time)
+        self.last_time, self.last_iteration = now, iteration
+        record = {"epoch": epoch + 1, "iteration": iteration, "lr": lr, **metrics, "skipped_images": skipped}
+        if rate is not None:
+            record["images_per_s"] = rate
+        self.write(record)
+        if self.tb is not None:
+            for key, value in record.items():
+                if key not in ("epoch", "iteration"):
+                    self.tb.add_scalar(f"train/{key}", value, iteration)
+
+    def epoch(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.write({"type": "epoch", **record})
+        if self.tb is not None:
+            for key, value in record.items():
+                if key not in ("epoch", "iteration"):
+                    self.tb.add_scalar(f"epoch/{key}", value, record["epoch"])
+        shown = {("mean step loss" if k == "loss" else k): v for k, v in record.items() if k != "epoch"}
+        log.info("epoch %d: %s", record["epoch"], ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
+
+    def progress(self, epoch: int, start: int, per_epoch: int, total: int, iteration: int) -> Progress:
+        return Progress(
+            enabled=self.enabled and self.cfg.train.progress_bar,
+            desc=f"epoch {epoch + 1}/{self.cfg.optim.epochs}",
+            start=start,
+            per_epoch=per_epoch,
+            remaining_total=total - iteration,
+        )
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+class Progress:
+    """A tqdm bar over an epoch's batches: the step's loss (summed over view groups, as optimised), the
+    effective rank of the student's features (collapse shows as a falling rank), learning rate, images/s and
+    time left for the whole run. The epoch line printed after it gives the epoch's mean step loss."""
+
+    def __init__(self, *, enabled: bool, desc: str, start: int, per_epoch: int, remaining_total: int) -> None:
+        self.bar = None
+        self.remaining = remaining_total
+        self.started = time.time()
+        self.steps = 0
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=per_epoch, initial=start, desc=desc, dynamic_ncols=True, leave=True)
+
+    def update(self, batch: int, metrics: dict[str, torch.Tensor], lr: float) -> None:
+        self.steps += 1
+        if self.bar is None:
+            return
+        per_step = (time.time() - self.started) / self.steps
+        left = max(self.remaining - self.steps, 0) * per_step
+        rank = metrics.get("student/effective_rank")
+        rank_text = f" rank {float(rank):.1f}" if rank is not None else ""
+        self.bar.set_postfix_str(
+            f"step loss {float(metrics['loss']):.3f}{rank_text} lr {lr:.3g} img/s {batch / per_step:.1f} "
+            f"left {format_seconds(left)}",
+            refresh=False,
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def format_seconds(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"

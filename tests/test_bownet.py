@@ -7,10 +7,10 @@ from PIL import Image
 
 from obow.backbones import build_backbone
 from obow.bow.kmeans import kmeans, kmeans_init, lloyd_step
+from obow.bow.predictor import build_predictor
 from obow.bow.targets import BoWExtractor
 from obow.config import ModelConfig, load_config
 from obow.methods.bownet import BoWNet, StaticVocabulary, sample_locations
-from obow.methods.obow import build_predictor
 from obow.training.loop import pretrain
 from obow.weights.checkpoint import load_checkpoint, save_atomic
 from obow.weights.load import network_state

@@ -13,6 +13,7 @@ The student predicts the BoW of every level from its single ``pool5`` vector ``S
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ from torch import Tensor, nn
 
 from obow import distributed as D
 from obow.checks import check_positive
+
+if TYPE_CHECKING:
+    from obow.config import ModelConfig
 
 
 class WeightGenerator(nn.Module):
@@ -125,3 +129,13 @@ class FixedBoWPredictor(BoWPredictor):
 
     def weights(self, vocabularies: Sequence[Tensor]) -> list[Tensor]:
         return [F.normalize(w, dim=1) for w in self.slot_weights]
+
+
+def build_predictor(cfg: ModelConfig, student: nn.Module) -> BoWPredictor:
+    """The head ``cfg.head`` names: the dynamic weight generator or fixed per-word weights, for every level."""
+    if cfg.head == "dynamic":
+        word_dims = [student.level_channels[level] for level in cfg.levels]
+        return DynamicBoWPredictor(
+            word_dims, student.num_features, cfg.kappa, cfg.normalize_student, cfg.split_generator
+        )
+    return FixedBoWPredictor([cfg.num_words] * len(cfg.levels), student.num_features, cfg.kappa, cfg.normalize_student)

@@ -18,7 +18,9 @@ The pure functions below do one step each; :class:`BoWExtractor` chains them and
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,9 @@ from obow import distributed as D
 from obow.bow import ASSIGNMENTS, POOLINGS
 from obow.bow.vocabulary import Vocabulary
 from obow.checks import check_choice, check_positive, check_unit_interval
+
+if TYPE_CHECKING:
+    from obow.config import ModelConfig
 
 
 def at_least_float32(tensor: Tensor) -> Tensor:
@@ -271,3 +276,25 @@ class BoWExtractor(nn.Module):
                 if self.record_intermediates and self.vocabulary.last_enqueued is not None:
                     self.intermediates["enqueued"] = self.vocabulary.last_enqueued
         return BoWTargets(targets=targets, diagnostics=diagnostics)
+
+
+def build_extractors(
+    cfg: ModelConfig, student: nn.Module, vocabulary: Callable[[int], Vocabulary]
+) -> dict[str, BoWExtractor]:
+    """One extractor per level of ``cfg.levels``, with ``cfg``'s target settings; ``vocabulary(channels)`` makes
+    each level's vocabulary for the width of the ``student``'s map there (OBoW: the online rule ``cfg``
+    names, :func:`~obow.bow.vocabulary.build_vocabulary`; BoWNet: its static k-means words)."""
+    return {
+        level: BoWExtractor(
+            vocabulary(student.level_channels[level]),
+            delta_base=cfg.delta_base,
+            assignment=cfg.assignment,
+            pooling=cfg.pooling,
+            border=cfg.border,
+            temperature_momentum=cfg.temperature_momentum,
+            temperature_init=cfg.temperature_init,
+            sinkhorn_epsilon=cfg.sinkhorn_epsilon,
+            sinkhorn_iterations=cfg.sinkhorn_iterations,
+        )
+        for level in cfg.levels
+    }

@@ -19,6 +19,8 @@ statistics are summed over processes, and random replacements are drawn on rank 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -26,6 +28,9 @@ from torch import Tensor, nn
 from obow import distributed as D
 from obow.bow import QUEUE_SAMPLINGS
 from obow.checks import check_choice, check_unit_interval
+
+if TYPE_CHECKING:
+    from obow.config import ModelConfig
 
 
 def sample_one_feature_per_image(
@@ -196,3 +201,10 @@ class KMeansVocabulary(Vocabulary):
         self.sums[rare] = 0.0
         self.last_assigned[rare] = self.step
         return torch.tensor(float(n), device=self.words.device)
+
+
+def build_vocabulary(cfg: ModelConfig, num_channels: int) -> Vocabulary:
+    """The online vocabulary ``cfg.vocabulary`` names, of ``cfg.num_words`` words of ``num_channels`` channels."""
+    if cfg.vocabulary == "queue":
+        return QueueVocabulary(cfg.num_words, num_channels, cfg.queue_sampling)
+    return KMeansVocabulary(cfg.num_words, num_channels, cfg.kmeans_momentum, cfg.rare_word_steps)

@@ -2,26 +2,17 @@
 
 ``model.method`` picks one:
 
-==========  =====================================  ==========================================================
-method      module                                 paper
-==========  =====================================  ==========================================================
-``obow``    :class:`obow.methods.obow.OBoW`              the method (sections 3.1-3.3)
-``mocov2``  :class:`obow.methods.mocov2.MoCoV2`            appendix "Comparing with MoCo for the same augmentations"
-``bownet``  :class:`obow.methods.bownet.BoWNet`            Table 5 (static teacher, offline k-means vocabulary)
-``rotnet``  :class:`obow.methods.rotnet.RotNet`            Table 5 (BoWNet's teacher: rotation prediction)
-==========  =====================================  ==========================================================
+==========  ======================================  ==========================================================
+method      module                                  paper
+==========  ======================================  ==========================================================
+``obow``    :class:`obow.methods.obow.OBoW`         the method (sections 3.1-3.3)
+``mocov2``  :class:`obow.methods.mocov2.MoCoV2`     appendix "Comparing with MoCo for the same augmentations"
+``bownet``  :class:`obow.methods.bownet.BoWNet`     Table 5 (static teacher, offline k-means vocabulary)
+``rotnet``  :class:`obow.methods.rotnet.RotNet`     Table 5 (BoWNet's teacher: rotation prediction)
+==========  ======================================  ==========================================================
 
-What the training loop (:func:`obow.training.loop.pretrain`) needs from a method module:
-
-* ``student``: the backbone being trained (what ``obow eval`` and ``obow export`` read, as
-  ``student.*`` entries of the checkpoint); ``teacher`` when the method has one;
-* ``forward(teacher_images, student_views, group=None, grad_scale=1.0)`` returning an object with
-  ``loss`` (to back-propagate) and ``metrics`` (detached scalars, ``"loss"`` among them); the batch is the
-  one :func:`build_views` describes, split by :func:`obow.training.loop.to_device` into the teacher's images
-  ``[B, 3, T, T]`` and the student's view groups ``[B, n, 3, h, w]``. A method whose attribute
-  ``supports_groups`` is false is always called with ``group=None``;
-* optionally ``prepare(images, cfg, device)``, called once before the first step of a new run (not on
-  resumption: what it computes must live in the ``state_dict``), e.g. BoWNet's offline k-means.
+Every method subclasses :class:`obow.methods.base.Method`: the contract between a method and the training loop
+(:func:`obow.training.loop.pretrain`) is written there once, with the pieces the methods share.
 """
 
 from __future__ import annotations
@@ -30,9 +21,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from obow.config import Config
+    from obow.methods.base import Method
 
 #: The registry: ``model.method`` values (each built by :func:`build_method`).
 METHODS = ("obow", "mocov2", "bownet", "rotnet")
@@ -44,7 +34,7 @@ LOSS_WEIGHTINGS = ("group_sum", "view_mean")
 MOCO_AUGMENTATIONS = ("mocov2", "ours")
 
 
-def build_method(cfg: Config, total_iterations: int) -> nn.Module:
+def build_method(cfg: Config, total_iterations: int) -> Method:
     """The module of ``cfg.model.method``, built from ``cfg``, for a run of ``total_iterations`` steps."""
     method = cfg.model.method
     if method == "obow":

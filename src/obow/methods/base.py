@@ -5,7 +5,7 @@ A method is an ``nn.Module`` (a subclass of :class:`Method`) with
 * ``student``: the backbone being trained (what ``obow eval`` and ``obow export`` read, as the ``student.*``
   entries of the checkpoint);
 * ``teacher``: the network that makes the targets (OBoW's EMA teacher, MoCo v2's key encoder, BoWNet's static
-  teacher), or ``None`` (RotNet); it never gets gradients;
+  teacher), or ``None`` (RotNet); it never gets gradients. Every method sets it, ``None`` included;
 * :attr:`~Method.supports_groups`: whether :meth:`~Method.forward` may be called one view group at a time
   (``group=0, 1, ...``), so that the loop back-propagates each group before building the next;
 * :meth:`~Method.prepare`: work done once before the first step of a new run (not on resumption: what it
@@ -13,20 +13,22 @@ A method is an ``nn.Module`` (a subclass of :class:`Method`) with
 * :meth:`~Method.forward` ``(teacher_images, student_views, group=None, grad_scale=1.0)`` returning a
   :class:`StepOutput`: the teacher's images ``[B, 3, T, T]`` and the student's view groups
   ``[B, n, 3, h, w]``, as :func:`obow.methods.build_views` and the loop's ``to_device`` give them.
+
+And the pieces the methods with a teacher share: the parameter EMA (:func:`ema_update_`), the view-group
+check (:func:`check_views`), the groups' loss weights (:func:`group_weight`) and the bookkeeping of a step
+computed group by group (:meth:`Method.grouped_step`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
-    import torch
-
     from obow.config import Config
     from obow.data.folders import ImageList
 
@@ -42,6 +44,55 @@ class StepOutput:
     targets: dict[str, Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class GroupedStep:
+    """What one call of :meth:`Method.forward` computes of its step (see :meth:`Method.grouped_step`)."""
+
+    state: dict  # what every view group of the step shares (the teacher side)
+    groups: list[int]  # the view groups whose loss terms this call computes
+    first: bool  # this call computed ``state``: the step's own metrics belong to its output
+    last: bool  # this call ends the step: no later group will use ``state``
+
+
+@torch.no_grad()
+def ema_update_(averages: Iterable[Tensor], sources: Iterable[Tensor], momentum: float) -> None:
+    """``average <- momentum * average + (1 - momentum) * source`` in place, pair by pair.
+
+    The teacher update of paper eq. 2 and MoCo's key-encoder update; the callers pass parameters only, so that
+    the average's batch-norm statistics stay its own (official notes 2.10). ``momentum >= 1`` changes nothing.
+    """
+    averages, sources = list(averages), [s.detach() for s in sources]
+    if len(averages) != len(sources):
+        raise ValueError(f"{len(averages)} averages for {len(sources)} sources: they must pair up")
+    if momentum >= 1.0 or not averages:  # _foreach_lerp_ rejects empty lists (a parameter-free network)
+        return
+    torch._foreach_lerp_(averages, sources, 1.0 - momentum)
+
+
+def check_views(teacher_images: Tensor, student_views: Sequence[Tensor]) -> list[Tensor]:
+    """The student's view groups as ``[B, n, 3, h, w]`` tensors (a ``[B, 3, h, w]`` group gets ``n = 1``),
+    checked against the teacher batch ``B``."""
+    if len(student_views) == 0:
+        raise ValueError("student_views must hold at least one group of views")
+    batch = teacher_images.shape[0]
+    groups = [v if v.dim() == 5 else v.unsqueeze(1) for v in student_views]
+    for i, views in enumerate(groups):
+        if views.dim() != 5 or views.shape[0] != batch:
+            raise ValueError(
+                f"student_views[{i}] must be [B, n, 3, h, w] or [B, 3, h, w] with B={batch} "
+                f"(the teacher batch), got {tuple(student_views[i].shape)}"
+            )
+    return groups
+
+
+def group_weight(n: int, groups: Sequence[Tensor], loss_weighting: str) -> float:
+    """The weight of a group of ``n`` views' mean loss: 1 (``group_sum``, official: the groups' means are
+    summed) or ``n / all views`` (``view_mean``: a mean over every view)."""
+    if loss_weighting == "group_sum":
+        return 1.0
+    return n / sum(v.shape[1] for v in groups)
+
+
 class Method(nn.Module):
     """Base class of the pretraining methods (see the module docstring for the contract)."""
 
@@ -50,6 +101,10 @@ class Method(nn.Module):
 
     student: nn.Module
     teacher: nn.Module | None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending: dict | None = None  # the shared side of a step computed group by group
 
     def prepare(self, images: ImageList, cfg: Config, device: torch.device) -> Any:
         """Once, before the first step of a new run; nothing by default."""
@@ -63,3 +118,24 @@ class Method(nn.Module):
         grad_scale: float = 1.0,
     ) -> StepOutput:
         raise NotImplementedError
+
+    def grouped_step(self, group: int | None, num_groups: int, shared_side: Callable[[], dict]) -> GroupedStep:
+        """The part of a step that this call of :meth:`forward` computes, and the state its groups share.
+
+        ``group=None``: the whole step, ``shared_side()`` computed now. ``group=0``: computed now and kept for
+        the later groups of the step; ``group=g > 0``: the kept state, refused when group 0 of this step never
+        ran (``shared_side`` runs once a step: it updates the teacher). After the last group the state is
+        dropped, so that the next step starts again at group 0.
+        """
+        if group is not None and not 0 <= group < num_groups:
+            raise ValueError(f"group={group} is out of range for {num_groups} view groups")
+        first = group is None or group == 0
+        if first:
+            state = shared_side()
+        elif self._pending is None:
+            raise RuntimeError("call forward with group=0 before the other groups of a step")
+        else:
+            state = self._pending
+        last = group is None or group == num_groups - 1
+        self._pending = None if last else state
+        return GroupedStep(state, list(range(num_groups)) if group is None else [group], first, last)

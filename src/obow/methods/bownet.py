@@ -29,11 +29,11 @@ from torch import Tensor, nn
 from obow import distributed as D
 from obow.backbones import build_backbone
 from obow.bow.kmeans import kmeans, nearest_centroids
-from obow.bow.predictor import BoWPredictor
-from obow.bow.targets import BoWExtractor, flatten_locations, remove_border
+from obow.bow.predictor import BoWPredictor, build_predictor
+from obow.bow.targets import BoWExtractor, build_extractors, flatten_locations, remove_border
 from obow.bow.vocabulary import Vocabulary
 from obow.config import Config, ModelConfig
-from obow.methods.obow import OBoW, build_predictor
+from obow.methods.obow import OBoW
 from obow.weights.checkpoint import load_checkpoint
 
 log = logging.getLogger("obow")
@@ -150,20 +150,7 @@ class BoWNet(OBoW):
             )
         teacher = load_teacher(cfg.bownet.teacher, m)
         student = build_backbone(m.arch, m.stem, m.arch_options)
-        extractors = {
-            level: BoWExtractor(
-                StaticVocabulary(m.num_words, student.level_channels[level]),
-                delta_base=m.delta_base,
-                assignment=m.assignment,
-                pooling=m.pooling,
-                border=m.border,
-                temperature_momentum=m.temperature_momentum,
-                temperature_init=m.temperature_init,
-                sinkhorn_epsilon=m.sinkhorn_epsilon,
-                sinkhorn_iterations=m.sinkhorn_iterations,
-            )
-            for level in m.levels
-        }
+        extractors = build_extractors(m, student, lambda channels: StaticVocabulary(m.num_words, channels))
         return cls(
             student,
             teacher,

@@ -50,8 +50,7 @@ from obow.checks import check_choice, check_positive, check_unit_interval
 from obow.config import Config
 from obow.diagnostics import feature_diagnostics
 from obow.methods import LOSS_WEIGHTINGS
-from obow.methods.base import Method
-from obow.methods.obow import OBoWOutput, check_views, group_weight
+from obow.methods.base import Method, StepOutput, check_views, ema_update_, group_weight
 
 
 def info_nce_loss(queries: Tensor, keys: Tensor, queue: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
@@ -104,9 +103,6 @@ class MoCoV2(Method):
     ``queue_ptr`` (the row the next keys are written to) and ``iteration`` (training steps done).
     """
 
-    #: The training loop may call :meth:`forward` group by group (``group=0, 1, ...``).
-    supports_groups = True
-
     def __init__(
         self,
         student: nn.Module,
@@ -141,7 +137,6 @@ class MoCoV2(Method):
         self.register_buffer("queue", F.normalize(torch.randn(queue_size, dim), dim=1))
         self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long))
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
-        self._pending: dict | None = None  # the key side of a step computed group by group
 
     @classmethod
     def from_config(cls, cfg: Config, total_iterations: int) -> MoCoV2:
@@ -162,11 +157,8 @@ class MoCoV2(Method):
     def update_key_encoder(self, momentum: float) -> None:
         """``key <- momentum * key + (1 - momentum) * query`` over the parameters of the backbone and the head;
         the key encoder's batch-norm statistics are its own."""
-        if momentum >= 1.0:
-            return
         keys = [*self.teacher.parameters(), *self.key_projector.parameters()]
-        queries = [p.detach() for p in (*self.student.parameters(), *self.projector.parameters())]
-        torch._foreach_lerp_(keys, queries, 1.0 - momentum)
+        ema_update_(keys, [*self.student.parameters(), *self.projector.parameters()], momentum)
 
     @torch.no_grad()
     def compute_keys(self, images: Tensor) -> tuple[Tensor, Tensor]:
@@ -213,7 +205,7 @@ class MoCoV2(Method):
         student_views: Sequence[Tensor],
         group: int | None = None,
         grad_scale: float = 1.0,
-    ) -> OBoWOutput:
+    ) -> StepOutput:
         """One step's maths. ``student_views``: one tensor per view group, ``[B, n, 3, h, w]`` or ``[B, 3, h, w]``.
 
         In training mode this updates the key encoder and, after the last group, the queue; in evaluation mode
@@ -225,28 +217,18 @@ class MoCoV2(Method):
         ``targets`` of the output: ``{"keys": [B, dim]}``, the keys of this process's images.
         """
         groups = check_views(teacher_images, student_views)
-        if group is not None and not 0 <= group < len(groups):
-            raise ValueError(f"group={group} is out of range for {len(groups)} view groups")
-        if group is None or group == 0:
-            state = self._key_side(teacher_images)
-            if group == 0:
-                self._pending = state
-        else:
-            if self._pending is None:
-                raise RuntimeError("call forward with group=0 before the other groups of a step")
-            state = self._pending
-
-        metrics = dict(state["metrics"]) if group in (None, 0) else {}
+        step = self.grouped_step(group, len(groups), lambda: self._key_side(teacher_images))
+        state = step.state
+        metrics = dict(state["metrics"]) if step.first else {}
         loss = teacher_images.new_zeros((), dtype=torch.float32)
-        for g in range(len(groups)) if group is None else [group]:
+        for g in step.groups:
             loss = loss + self._group_loss(g, groups, state, metrics)
         metrics["loss"] = loss.detach()
-        if group is None or group == len(groups) - 1:
+        if step.last:
             metrics["moco/accuracy"] = state["correct"] / state["count"] * 100
             if self.training:
                 self.enqueue(state["all_keys"])
-            self._pending = None
-        return OBoWOutput(loss=loss, metrics=metrics, targets={"keys": state["keys"]})
+        return StepOutput(loss=loss, metrics=metrics, targets={"keys": state["keys"]})
 
     def _key_side(self, teacher_images: Tensor) -> dict:
         """Key-encoder update, this step's keys, and the queue as it is before they are added."""

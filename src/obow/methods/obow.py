@@ -20,67 +20,23 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from obow.backbones import build_backbone
 from obow.bow.loss import bow_loss
-from obow.bow.predictor import BoWPredictor, DynamicBoWPredictor, FixedBoWPredictor
-from obow.bow.targets import BoWExtractor, BoWTargets
-from obow.bow.vocabulary import KMeansVocabulary, QueueVocabulary
+from obow.bow.predictor import BoWPredictor, build_predictor
+from obow.bow.targets import BoWExtractor, BoWTargets, build_extractors
+from obow.bow.vocabulary import build_vocabulary
 from obow.checks import check_choice, check_unit_interval
 from obow.config import ModelConfig
 from obow.data.cutmix import cutmix as cutmix_views
 from obow.data.cutmix import draw_box, draw_permutation, mix_targets
 from obow.diagnostics import feature_diagnostics
 from obow.methods import LOSS_WEIGHTINGS, MOMENTUM_SCHEDULES
-from obow.methods.base import Method
+from obow.methods.base import Method, StepOutput, check_views, ema_update_, group_weight
 from obow.schedules import teacher_momentum
-
-
-def build_predictor(cfg: ModelConfig, student: nn.Module) -> BoWPredictor:
-    """The head ``cfg.head`` names: the dynamic weight generator or fixed per-word weights, for every level."""
-    if cfg.head == "dynamic":
-        word_dims = [student.level_channels[level] for level in cfg.levels]
-        return DynamicBoWPredictor(
-            word_dims, student.num_features, cfg.kappa, cfg.normalize_student, cfg.split_generator
-        )
-    return FixedBoWPredictor([cfg.num_words] * len(cfg.levels), student.num_features, cfg.kappa, cfg.normalize_student)
-
-
-def check_views(teacher_images: Tensor, student_views: Sequence[Tensor]) -> list[Tensor]:
-    """The student's view groups as ``[B, n, 3, h, w]`` tensors (a ``[B, 3, h, w]`` group gets ``n = 1``),
-    checked against the teacher batch ``B``."""
-    if len(student_views) == 0:
-        raise ValueError("student_views must hold at least one group of views")
-    batch = teacher_images.shape[0]
-    groups = [v if v.dim() == 5 else v.unsqueeze(1) for v in student_views]
-    for i, views in enumerate(groups):
-        if views.dim() != 5 or views.shape[0] != batch:
-            raise ValueError(
-                f"student_views[{i}] must be [B, n, 3, h, w] or [B, 3, h, w] with B={batch} "
-                f"(the teacher batch), got {tuple(student_views[i].shape)}"
-            )
-    return groups
-
-
-def group_weight(n: int, groups: Sequence[Tensor], loss_weighting: str) -> float:
-    """The weight of a group of ``n`` views' mean loss: 1 (``group_sum``, official: the groups' means are
-    summed) or ``n / all views`` (``view_mean``: a mean over every view)."""
-    if loss_weighting == "group_sum":
-        return 1.0
-    return n / sum(v.shape[1] for v in groups)
-
-
-@dataclass
-class OBoWOutput:
-    """The loss to back-propagate and detached diagnostics (``metrics``), computed without extra passes."""
-
-    loss: Tensor
-    metrics: dict[str, Tensor]
-    targets: dict[str, Tensor]
 
 
 class OBoW(Method):
@@ -132,30 +88,12 @@ class OBoW(Method):
         self.cutmix = bool(cutmix)
         self.cutmix_generator: torch.Generator | None = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
-        self._pending: dict | None = None  # the teacher side of a step computed group by group
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, total_iterations: int) -> OBoW:
         """Assemble the model a :class:`~obow.config.ModelConfig` describes."""
         student = build_backbone(cfg.arch, cfg.stem, cfg.arch_options)
-        extractors = {}
-        for level in cfg.levels:
-            channels = student.level_channels[level]
-            if cfg.vocabulary == "queue":
-                vocabulary = QueueVocabulary(cfg.num_words, channels, cfg.queue_sampling)
-            else:
-                vocabulary = KMeansVocabulary(cfg.num_words, channels, cfg.kmeans_momentum, cfg.rare_word_steps)
-            extractors[level] = BoWExtractor(
-                vocabulary,
-                delta_base=cfg.delta_base,
-                assignment=cfg.assignment,
-                pooling=cfg.pooling,
-                border=cfg.border,
-                temperature_momentum=cfg.temperature_momentum,
-                temperature_init=cfg.temperature_init,
-                sinkhorn_epsilon=cfg.sinkhorn_epsilon,
-                sinkhorn_iterations=cfg.sinkhorn_iterations,
-            )
+        extractors = build_extractors(cfg, student, lambda channels: build_vocabulary(cfg, channels))
         return cls(
             student,
             extractors,
@@ -175,12 +113,7 @@ class OBoW(Method):
     def update_teacher(self, momentum: float) -> None:
         """``theta_T <- momentum * theta_T + (1 - momentum) * theta_S`` over parameters only; the teacher's
         batch-norm statistics are its own (official notes 2.10)."""
-        if momentum >= 1.0:
-            return
-        teacher = list(self.teacher.parameters())
-        student = [p.detach() for p in self.student.parameters()]
-        if teacher:  # a parameter-free backbone has nothing to average (_foreach_lerp_ rejects empty lists)
-            torch._foreach_lerp_(teacher, student, 1.0 - momentum)
+        ema_update_(self.teacher.parameters(), self.student.parameters(), momentum)
 
     @torch.no_grad()
     def teacher_targets(self, images: Tensor, update: bool | None = None) -> dict[str, BoWTargets]:
@@ -194,7 +127,7 @@ class OBoW(Method):
         student_views: Sequence[Tensor],
         group: int | None = None,
         grad_scale: float = 1.0,
-    ) -> OBoWOutput:
+    ) -> StepOutput:
         """One step's maths. ``student_views``: one tensor per view group, ``[B, n, 3, h, w]`` or ``[B, 3, h, w]``.
 
         In training mode this updates the teacher, the temperature statistics and the vocabularies.
@@ -207,26 +140,17 @@ class OBoW(Method):
         groups (pass the loss scale as ``grad_scale`` when the backward passes are scaled, as with fp16).
         """
         groups = check_views(teacher_images, student_views)
-        if group is None or group == 0:
-            state = self._teacher_side(teacher_images)
-            if group == 0:
-                self._pending = state
-        else:
-            if self._pending is None:
-                raise RuntimeError("call forward with group=0 before the other groups of a step")
-            state = self._pending
-        if group is not None and not 0 <= group < len(groups):
-            raise ValueError(f"group={group} is out of range for {len(groups)} view groups")
-
-        metrics = dict(state["metrics"]) if group in (None, 0) else {}
+        step = self.grouped_step(group, len(groups), lambda: self._teacher_side(teacher_images))
+        state = step.state
+        metrics = dict(state["metrics"]) if step.first else {}
         loss = teacher_images.new_zeros((), dtype=torch.float32)
-        for g in range(len(groups)) if group is None else [group]:
+        for g in step.groups:
             # Separate groups before the last use detached weights; their gradient is collected below.
             with_graph = group is None or g == len(groups) - 1
             weights = state["weights"] if with_graph else state["leaf_weights"]
             loss = loss + self._group_loss(g, groups, weights, state["bows"], metrics)
         metrics["loss"] = loss.detach()
-        if group is not None and group == len(groups) - 1:
+        if group is not None and step.last:
             # dL/dG(V) accumulated by the earlier groups' backward passes, added through a surrogate that leaves
             # the loss value unchanged: this backward pass then carries the generator's whole gradient. (The
             # metric is taken before: with fp16, an overflowed earlier gradient makes the surrogate inf, and
@@ -235,8 +159,7 @@ class OBoW(Method):
             if all(e is not None for e in earlier):
                 surrogate = sum((w * (e / grad_scale)).sum() for w, e in zip(state["weights"], earlier, strict=True))
                 loss = loss + surrogate - surrogate.detach()
-            self._pending = None
-        return OBoWOutput(loss=loss, metrics=metrics, targets={k: b.targets for k, b in state["bows"].items()})
+        return StepOutput(loss=loss, metrics=metrics, targets={k: b.targets for k, b in state["bows"].items()})
 
     def _teacher_side(self, teacher_images: Tensor) -> dict:
         """EMA update, BoW targets (and the vocabulary update), and the prediction weights over ``V_t``."""

@@ -19,8 +19,7 @@ from obow.backbones import build_backbone
 from obow.bow.targets import at_least_float32
 from obow.config import Config
 from obow.diagnostics import feature_diagnostics
-from obow.methods.base import Method
-from obow.methods.obow import OBoWOutput
+from obow.methods.base import Method, StepOutput
 
 NUM_ROTATIONS = 4
 
@@ -66,7 +65,7 @@ class RotNet(Method):
         student_views: Sequence[Tensor],
         group: int | None = None,
         grad_scale: float = 1.0,
-    ) -> OBoWOutput:
+    ) -> StepOutput:
         """The rotation loss of the first view group's images (``[B, n, 3, s, s]`` or ``[B, 3, s, s]``)."""
         if group not in (None, 0):
             raise ValueError("RotNet computes its loss in one pass: call it with group=None")
@@ -86,4 +85,4 @@ class RotNet(Method):
         upright = features[: images.shape[0]]  # diagnostics on the images as they are (rotation 0)
         if upright.shape[0] > 1:
             metrics.update({f"student/{k}": v for k, v in feature_diagnostics(upright).items()})
-        return OBoWOutput(loss=loss, metrics=metrics, targets={})
+        return StepOutput(loss=loss, metrics=metrics, targets={})

@@ -4,11 +4,14 @@
     obow eval linear   --checkpoint runs/x/checkpoint.pt --data DIR [--preset resnet18|resnet50] [--epochs N]
     obow eval fewshot  --checkpoint runs/x/checkpoint.pt --data DIR [--ways 50] [--shots 1 5] [--episodes 200]
     obow eval finetune --checkpoint runs/x/checkpoint.pt --data DIR [--fraction 0.01|0.1]
+    obow eval svm      --checkpoint runs/x/checkpoint.pt --data VOCdevkit/VOC2007 [--costs 0.05 0.1 ...]
     obow eval knn --random-init --arch resnet18 --data DIR --out random.json     # the baseline
 
 ``DIR`` holds ``train/`` and ``val/`` (or ``test/``) class folders. kNN, linear and fine-tuning train on
 ``train/`` and test on ``val/``; few-shot episodes are drawn from ``val/`` (the paper draws them from the
 ImageNet validation images, appendix "Evaluation protocols in Section 4.1") unless ``--split train``.
+``obow eval svm`` reads a folder in the VOC devkit layout instead (:mod:`obow.data.voc`): linear SVMs on
+``trainval``, mAP on ``test`` (:mod:`obow.evaluate.svm`).
 Each command prints a small table and writes a JSON report (default ``<checkpoint dir>/eval/<protocol>.json``;
 ``runs/eval/random_init_<arch>_<stem>/<protocol>.json`` for ``--random-init`` without a checkpoint).
 """
@@ -26,11 +29,13 @@ from obow import __version__
 from obow.cli.common import NETWORKS, STEMS, device_from_name, positive_float, positive_int, write_json
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from obow.data.folders import ImageList
+    from obow.data.voc import MultiLabelSet
 
-PROTOCOLS = ("knn", "linear", "fewshot", "finetune")
+PROTOCOLS = ("knn", "linear", "fewshot", "finetune", "svm")
 EXTRACT_BATCH = 256
 # Spelled out so that building the parser imports no PyTorch; tests/test_rough_edges.py checks each.
 LINEAR_PRESET_NAMES = ("resnet18", "resnet50")  # obow.evaluate.linear.LINEAR_PRESETS
@@ -43,7 +48,7 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     """Register ``obow eval PROTOCOL ...``; each protocol sets ``func`` to its runner."""
     parser = subparsers.add_parser(
         "eval",
-        help="evaluate a pretrained backbone: knn, linear, fewshot or finetune",
+        help="evaluate a pretrained backbone: knn, linear, fewshot, finetune or svm (VOC07)",
         description="Evaluate a backbone on a folder with train/ and val/ (or test/) class folders.",
     )
     protocols = parser.add_subparsers(title="protocols", dest="protocol", metavar="PROTOCOL", required=True)
@@ -82,6 +87,12 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--gamma", type=positive_float, help="override the decay factor (0.2)")
     p.add_argument("--wd", type=float, help="override the weight decay (0)")
     p.set_defaults(func=run_finetune)
+
+    p = protocols.add_parser("svm", parents=[common], help="VOC07 classification: linear SVMs per class, mAP (Table 6)")
+    p.add_argument("--train-split", default="trainval", help="the split the SVMs learn from (trainval)")
+    p.add_argument("--test-split", default="test", help="the split they are scored on (test)")
+    p.add_argument("--costs", type=positive_float, nargs="+", help="SVM costs to cross-validate (the authors')")
+    p.set_defaults(func=run_svm)
     return parser
 
 
@@ -260,6 +271,35 @@ def run_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_svm(args: argparse.Namespace) -> int:
+    """One linear SVM per class on ``--train-split``, cost by 3-fold cross-validation; AP per class on
+    ``--test-split`` without its difficult images, and their mean."""
+    from obow.data.voc import DIFFICULT, read_voc
+    from obow.evaluate.svm import DEFAULT_COSTS, svm_classification
+
+    run = _Run(args, "svm")
+    train, test = read_voc(run.data, args.train_split), read_voc(run.data, args.test_split)
+    if train.classes != test.classes:
+        raise ValueError(
+            f"the classes of {args.train_split} and {args.test_split} differ: {train.classes} vs {test.classes}"
+        )
+    (train_x, train_t), (test_x, test_t) = run.multilabel_features(train), run.multilabel_features(test)
+    costs = tuple(args.costs or DEFAULT_COSTS)
+    result = svm_classification(train_x, train_t, test_x, test_t, train.classes, costs)
+    rows = [[name, r["ap"], r["cost"]] for name, r in result["per_class"].items()]
+    run.print_table(["class", "AP", "cost"], [*rows, ["mAP", result["mAP"], None]])
+    data = {
+        "train_split": args.train_split,
+        "test_split": args.test_split,
+        "num_train": len(train_x),
+        "num_test": len(test_x),
+        "classes": list(train.classes),
+        "difficult_test_labels": int((test_t == DIFFICULT).sum()),
+    }
+    run.write({"mAP": result["mAP"], "per_class": result["per_class"]}, {"costs": list(costs)}, data=data)
+    return 0
+
+
 def subset_listing(images: ImageList, indices: Sequence[int]) -> list[dict[str, Any]]:
     """The images of a fine-tuning subset as ``{"path" (relative to the split), "label", "class"}``."""
     return [
@@ -360,6 +400,15 @@ class _Run:
             flip=flip,
             skipped=self.skipped,
         )
+
+    def multilabel_features(self, images: MultiLabelSet) -> tuple[np.ndarray, np.ndarray]:
+        """Features and targets of a multi-label split; an unreadable image (replaced by its neighbour during
+        extraction) is dropped with its targets, and counted."""
+        import torch
+
+        features, used = self.features(images.image_list())
+        kept = used == torch.arange(len(images))
+        return features[kept].numpy(), images.targets[kept.numpy()]
 
     def print_table(self, headers: list[str], rows: list[list[Any]]) -> None:
         source = self.info

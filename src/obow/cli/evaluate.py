@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from obow.config import Config, ViewsConfig
     from obow.data.folders import ImageList
     from obow.data.voc import MultiLabelSet
 
@@ -107,6 +108,9 @@ def _common_options() -> argparse.ArgumentParser:
         "--arch", help="architecture for --random-init without a checkpoint (resnet18, timm:NAME, torchvision:NAME)"
     )
     src.add_argument("--stem", choices=STEMS, help="stem for --random-init without a checkpoint (torchvision)")
+    src.add_argument(
+        "--config", help="a recipe (name or YAML) whose network and view --random-init takes, e.g. cifar10_fast"
+    )
     run = common.add_argument_group("data and run")
     run.add_argument("--data", required=True, help="folder holding train/ and val/ (or test/) class folders")
     run.add_argument(
@@ -114,7 +118,11 @@ def _common_options() -> argparse.ArgumentParser:
         help="JSON report (default <checkpoint dir>/eval/<protocol>.json, or for --random-init without a "
         "checkpoint runs/eval/random_init_<arch>_<stem>/<protocol>.json)",
     )
-    run.add_argument("--size", type=positive_int, help="centre-crop size (default: the recipe's teacher size)")
+    run.add_argument(
+        "--size",
+        type=positive_int,
+        help="centre-crop size (default: the recipe's teacher size; without a recipe, from the images)",
+    )
     run.add_argument("--resize", type=positive_int, help="resize before the crop (default: the recipe's)")
     run.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     run.add_argument("--batch-size", type=positive_int, help="images per batch (default 256)")
@@ -244,6 +252,7 @@ def run_finetune(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size or preset.batch_size,
     }
     train_images, test_images = run.splits()
+    run.choose_view(train_images)
     subset = balanced_subset(train_images.labels, args.fraction, seed=args.seed)
     subset_file = run.out.with_name(f"{run.out.stem}_subset.json")
     write_json(subset_file, subset_listing(train_images, subset))
@@ -319,7 +328,6 @@ class _Run:
     """What every protocol does the same way: load the backbone, find the splits, extract, report."""
 
     def __init__(self, args: argparse.Namespace, protocol: str) -> None:
-        from obow.data.eval_sets import views_from_dict
         from obow.weights.load import load_backbone
 
         self.args = args
@@ -329,20 +337,54 @@ class _Run:
             raise ValueError(f"data folder {str(self.data)!r} does not exist")
         if args.network is not None and args.checkpoint is None:
             raise ValueError("--network picks the student or teacher of a --checkpoint; it needs --checkpoint")
+        recipe = self._recipe()
         self.backbone, self.info = load_backbone(
             args.checkpoint,
             network=args.network or "student",
             backbone_file=args.backbone,
             random_init=args.random_init,
-            arch=args.arch,
-            stem=args.stem,
+            arch=args.arch or (recipe.model.arch if recipe else None),
+            stem=args.stem or (recipe.model.stem if recipe else None),
             seed=args.seed,
+            arch_options=dict(recipe.model.arch_options) if recipe else None,
         )
-        self.views = views_from_dict(self.info["views"], resize=args.resize, size=args.size)
+        if recipe is not None:
+            from obow.data.eval_sets import views_dict
+
+            self.info["views"] = views_dict(recipe.views)
+        self._views: ViewsConfig | None = None
+        self.view_reason = ""
         self.device = device_from_name(args.device)
         self.out = self._out_path()
         self.skipped: list[str] = []
         self._data_info: dict[str, Any] = {}
+
+    def _recipe(self) -> Config | None:
+        """``--config``: the recipe whose network and view a random initialisation takes."""
+        if self.args.config is None:
+            return None
+        if self.args.checkpoint is not None or self.args.backbone is not None or not self.args.random_init:
+            raise ValueError(
+                "--config gives a random initialisation its network and view (with --random-init and no "
+                "--checkpoint or --backbone, whose own recipe is used)"
+            )
+        from obow.config import load_config
+
+        return load_config(self.args.config)
+
+    def choose_view(self, images: ImageList) -> ViewsConfig:
+        """The evaluation view, chosen once (see :func:`obow.data.eval_sets.choose_view`) and said."""
+        if self._views is None:
+            from obow.data.eval_sets import choose_view
+
+            self._views, self.view_reason = choose_view(self.info["views"], images, self.args.resize, self.args.size)
+        return self._views
+
+    @property
+    def views(self) -> ViewsConfig:
+        if self._views is None:
+            raise RuntimeError("the evaluation view is chosen from the first images evaluated (choose_view)")
+        return self._views
 
     def _out_path(self) -> Path:
         if self.args.out:
@@ -393,7 +435,7 @@ class _Run:
 
         return extract_features(
             self.backbone,
-            eval_dataset(images, self.views),
+            eval_dataset(images, self.choose_view(images)),
             batch_size=self.args.batch_size or EXTRACT_BATCH,
             device=self.device,
             num_workers=self.args.workers,
@@ -416,7 +458,7 @@ class _Run:
             what = f"random init (seed {source['seed']})"
         else:
             what = f"{source['network'] or 'exported'} of {source['path']}, epoch {source['epoch']}"
-        view = f"{self.views.teacher_resize}/{self.views.teacher_size} px"
+        view = f"{self.views.teacher_resize}/{self.views.teacher_size} px ({self.view_reason})"
         print(f"{self.protocol}: {source['arch']} ({source['stem']} stem), {what}, view {view}, data {self.data}")
         cells = [headers] + [[_cell(v) for v in row] for row in rows]
         widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
@@ -433,6 +475,7 @@ class _Run:
             "settings": {
                 **settings,
                 "view": views_dict(self.views),
+                "view_source": self.view_reason,
                 "seed": self.args.seed,
                 "device": str(self.device),
                 "extract_batch_size": self.args.batch_size or EXTRACT_BATCH,

@@ -4,6 +4,7 @@ import logging
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from obow.cli import main
@@ -66,3 +67,17 @@ def test_under_torchrun_only_the_main_process_prints_what_is_next(tmp_path, monk
     monkeypatch.setenv("RANK", "0")
     assert main([*args, "--out", str(tmp_path / "r0")]) == 0
     assert "done: 1 epochs" in capsys.readouterr().out
+
+
+def test_show_words_leaves_out_unused_words_and_titles_the_picture(tmp_path):
+    from PIL import Image
+
+    from obow.show.words import TITLE_HEIGHT, show_words
+
+    result = show_words(V1 / "checkpoint_epoch1.pt", V1 / "images", tmp_path / "w", level="conv5", num_words=16)
+    assert result["usage"] and all(u > 0 for u in result["usage"])
+    assert len(result["words"]) < 16  # 16 words, 24 images of 3x3 border-free conv5 maps: some words go unused
+    grid = Image.open(result["grid"])
+    assert grid.size[1] == TITLE_HEIGHT + len(result["words"]) * 68 + 4
+    band = np.asarray(grid)[:TITLE_HEIGHT]
+    assert (band < 128).any()  # the title is drawn: "conv5 visual words, teacher network, epoch 1"

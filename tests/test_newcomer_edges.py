@@ -81,3 +81,31 @@ def test_show_words_leaves_out_unused_words_and_titles_the_picture(tmp_path):
     assert grid.size[1] == TITLE_HEIGHT + len(result["words"]) * 68 + 4
     band = np.asarray(grid)[:TITLE_HEIGHT]
     assert (band < 128).any()  # the title is drawn: "conv5 visual words, teacher network, epoch 1"
+
+
+def test_a_few_shot_column_the_test_set_cannot_fill_says_why():
+    import torch
+
+    from obow.evaluate.protocol import evaluate_features
+    from obow.experiments.tables import markdown
+
+    train_x, train_y = torch.randn(12, 4), torch.arange(12) % 3
+    test_x, test_y = torch.randn(9, 4), torch.arange(9) % 3  # 3 images per class: 1-shot yes, 5-shot no
+    scores = evaluate_features(train_x, train_y, test_x, test_y, k=5, episodes=5, linear=False)
+    assert "fewshot_1" in scores and "fewshot_5" not in scores
+    note = "5-shot not measured: episodes need 5 support and 1 query image per class; the smallest test class has 3"
+    assert scores["notes"] == [note]
+    row = {"scores": scores, "steps": 0, "minutes": 0.0}
+    record = {
+        "title": "t",
+        "note": "n",
+        "recipe": "r",
+        "budget_epochs": 1,
+        "train_images": 12,
+        "test_images": 9,
+        "protocol": {"k": 5, "temperature": 0.1, "episodes": 5},
+        "random_init": row,
+        "rows": [{**row, "label": "a", "paper": {}}],
+    }
+    table = markdown(record, ("1-shot", "5-shot"))
+    assert table.count(note) == 1 and table.rstrip().endswith(f"- `-`: {note}")

@@ -20,6 +20,7 @@ from obow.data.eval_sets import eval_dataset
 from obow.show.neighbours import nearest
 from obow.show.run_plots import panels_for, read_run
 from obow.show.words import (
+    TITLE_HEIGHT,
     LevelVocabulary,
     RunningTopK,
     choose_words,
@@ -137,12 +138,12 @@ def test_streamed_top8_with_ties_keeps_the_earliest():
     np.testing.assert_array_equal(top.locations.numpy(), order % 4)
 
 
-def count_tiles(grid, rows, n, tile=64, gap=4, label_width=110):
-    """Tiles of the grid that hold a patch (not the white background), per row."""
+def count_tiles(grid, rows, n, tile=64, gap=4, label_width=110, top=0):
+    """Tiles of the grid that hold a patch (not the white background), per row (below a title band of ``top``)."""
     pixels = np.asarray(grid)
     found = []
     for r in range(rows):
-        y = gap + r * (tile + gap)
+        y = top + gap + r * (tile + gap)
         found.append(
             sum(bool((pixels[y : y + tile, label_width + j * (tile + gap) :][:, :tile] != 255).any()) for j in range(n))
         )
@@ -238,12 +239,15 @@ def test_show_words_end_to_end(tiny_run, tmp_path, capsys):
     root, out = tiny_run
     words_out = tmp_path / "words"
     argv = ["show", "words", "--checkpoint", str(out / "checkpoint.pt"), "--data", str(root / "data" / "val")]
-    assert cli.main([*argv, "--out", str(words_out), "--num-words", "4", "--workers", "0", "--device", "cpu"]) == 0
+    # four chosen words (most-used would leave out the words this tiny run never uses)
+    assert (
+        cli.main([*argv, "--out", str(words_out), "--words", "12,13,14,15", "--workers", "0", "--device", "cpu"]) == 0
+    )
     printed = capsys.readouterr().out
     assert "conv4: 4 words over 6 images" in printed and "wrote" in printed
     grid = Image.open(words_out / "words.png")
-    assert grid.size == (110 + 8 * 68, 4 * 68 + 4)
-    assert count_tiles(grid, 4, 8) == [8, 8, 8, 8]
+    assert grid.size == (110 + 8 * 68, TITLE_HEIGHT + 4 * 68 + 4)
+    assert count_tiles(grid, 4, 8, top=TITLE_HEIGHT) == [8, 8, 8, 8]
     page = (words_out / "index.html").read_text()
     assert page.count("<img ") == 32 and page.count("<figcaption>") == 32 and page.count("<h2>") == 4
     assert len(list((words_out / "patches").glob("*.png"))) == 32

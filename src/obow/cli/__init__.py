@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -136,6 +137,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         result = pretrain(cfg, out, monitor=KNNMonitor)
     except Interrupted:
         return 130
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, the main process alone says what is next
+        return 0
     print(f"done: {result['epochs']} epochs, checkpoint {result['checkpoint']}")
     print(f"next: obow eval knn --checkpoint {result['checkpoint']} --data <folder with train/ and val/>")
     print(f"      obow export --checkpoint {result['checkpoint']} --out {out / 'backbone.pth'}")

@@ -4,11 +4,14 @@
     obow eval linear   --checkpoint runs/x/checkpoint.pt --data DIR [--preset resnet18|resnet50] [--epochs N]
     obow eval fewshot  --checkpoint runs/x/checkpoint.pt --data DIR [--ways 50] [--shots 1 5] [--episodes 200]
     obow eval finetune --checkpoint runs/x/checkpoint.pt --data DIR [--fraction 0.01|0.1]
+    obow eval svm      --checkpoint runs/x/checkpoint.pt --data VOCdevkit/VOC2007 [--costs 0.05 0.1 ...]
     obow eval knn --random-init --arch resnet18 --data DIR --out random.json     # the baseline
 
 ``DIR`` holds ``train/`` and ``val/`` (or ``test/``) class folders. kNN, linear and fine-tuning train on
 ``train/`` and test on ``val/``; few-shot episodes are drawn from ``val/`` (the paper draws them from the
 ImageNet validation images, appendix "Evaluation protocols in Section 4.1") unless ``--split train``.
+``obow eval svm`` reads a folder in the VOC devkit layout instead (:mod:`obow.data.voc`): linear SVMs on
+``trainval``, mAP on ``test`` (:mod:`obow.evaluate.svm`).
 Each command prints a small table and writes a JSON report (default ``<checkpoint dir>/eval/<protocol>.json``;
 ``runs/eval/random_init_<arch>_<stem>/<protocol>.json`` for ``--random-init`` without a checkpoint).
 """
@@ -26,11 +29,14 @@ from obow import __version__
 from obow.cli.common import NETWORKS, STEMS, device_from_name, positive_float, positive_int, write_json
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
+    from obow.config import Config, ViewsConfig
     from obow.data.folders import ImageList
+    from obow.data.voc import MultiLabelSet
 
-PROTOCOLS = ("knn", "linear", "fewshot", "finetune")
+PROTOCOLS = ("knn", "linear", "fewshot", "finetune", "svm")
 EXTRACT_BATCH = 256
 # Spelled out so that building the parser imports no PyTorch; tests/test_rough_edges.py checks each.
 LINEAR_PRESET_NAMES = ("resnet18", "resnet50")  # obow.evaluate.linear.LINEAR_PRESETS
@@ -43,7 +49,7 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     """Register ``obow eval PROTOCOL ...``; each protocol sets ``func`` to its runner."""
     parser = subparsers.add_parser(
         "eval",
-        help="evaluate a pretrained backbone: knn, linear, fewshot or finetune",
+        help="evaluate a pretrained backbone: knn, linear, fewshot, finetune or svm (VOC07)",
         description="Evaluate a backbone on a folder with train/ and val/ (or test/) class folders.",
     )
     protocols = parser.add_subparsers(title="protocols", dest="protocol", metavar="PROTOCOL", required=True)
@@ -82,6 +88,12 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--gamma", type=positive_float, help="override the decay factor (0.2)")
     p.add_argument("--wd", type=float, help="override the weight decay (0)")
     p.set_defaults(func=run_finetune)
+
+    p = protocols.add_parser("svm", parents=[common], help="VOC07 classification: linear SVMs per class, mAP (Table 6)")
+    p.add_argument("--train-split", default="trainval", help="the split the SVMs learn from (trainval)")
+    p.add_argument("--test-split", default="test", help="the split they are scored on (test)")
+    p.add_argument("--costs", type=positive_float, nargs="+", help="SVM costs to cross-validate (the authors')")
+    p.set_defaults(func=run_svm)
     return parser
 
 
@@ -96,6 +108,9 @@ def _common_options() -> argparse.ArgumentParser:
         "--arch", help="architecture for --random-init without a checkpoint (resnet18, timm:NAME, torchvision:NAME)"
     )
     src.add_argument("--stem", choices=STEMS, help="stem for --random-init without a checkpoint (torchvision)")
+    src.add_argument(
+        "--config", help="a recipe (name or YAML) whose network and view --random-init takes, e.g. cifar10_fast"
+    )
     run = common.add_argument_group("data and run")
     run.add_argument("--data", required=True, help="folder holding train/ and val/ (or test/) class folders")
     run.add_argument(
@@ -103,7 +118,11 @@ def _common_options() -> argparse.ArgumentParser:
         help="JSON report (default <checkpoint dir>/eval/<protocol>.json, or for --random-init without a "
         "checkpoint runs/eval/random_init_<arch>_<stem>/<protocol>.json)",
     )
-    run.add_argument("--size", type=positive_int, help="centre-crop size (default: the recipe's teacher size)")
+    run.add_argument(
+        "--size",
+        type=positive_int,
+        help="centre-crop size (default: the recipe's teacher size; without a recipe, from the images)",
+    )
     run.add_argument("--resize", type=positive_int, help="resize before the crop (default: the recipe's)")
     run.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     run.add_argument("--batch-size", type=positive_int, help="images per batch (default 256)")
@@ -233,6 +252,7 @@ def run_finetune(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size or preset.batch_size,
     }
     train_images, test_images = run.splits()
+    run.choose_view(train_images)
     subset = balanced_subset(train_images.labels, args.fraction, seed=args.seed)
     subset_file = run.out.with_name(f"{run.out.stem}_subset.json")
     write_json(subset_file, subset_listing(train_images, subset))
@@ -260,6 +280,35 @@ def run_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_svm(args: argparse.Namespace) -> int:
+    """One linear SVM per class on ``--train-split``, cost by 3-fold cross-validation; AP per class on
+    ``--test-split`` without its difficult images, and their mean."""
+    from obow.data.voc import DIFFICULT, read_voc
+    from obow.evaluate.svm import DEFAULT_COSTS, svm_classification
+
+    run = _Run(args, "svm")
+    train, test = read_voc(run.data, args.train_split), read_voc(run.data, args.test_split)
+    if train.classes != test.classes:
+        raise ValueError(
+            f"the classes of {args.train_split} and {args.test_split} differ: {train.classes} vs {test.classes}"
+        )
+    (train_x, train_t), (test_x, test_t) = run.multilabel_features(train), run.multilabel_features(test)
+    costs = tuple(args.costs or DEFAULT_COSTS)
+    result = svm_classification(train_x, train_t, test_x, test_t, train.classes, costs)
+    rows = [[name, r["ap"], r["cost"]] for name, r in result["per_class"].items()]
+    run.print_table(["class", "AP", "cost"], [*rows, ["mAP", result["mAP"], None]])
+    data = {
+        "train_split": args.train_split,
+        "test_split": args.test_split,
+        "num_train": len(train_x),
+        "num_test": len(test_x),
+        "classes": list(train.classes),
+        "difficult_test_labels": int((test_t == DIFFICULT).sum()),
+    }
+    run.write({"mAP": result["mAP"], "per_class": result["per_class"]}, {"costs": list(costs)}, data=data)
+    return 0
+
+
 def subset_listing(images: ImageList, indices: Sequence[int]) -> list[dict[str, Any]]:
     """The images of a fine-tuning subset as ``{"path" (relative to the split), "label", "class"}``."""
     return [
@@ -279,7 +328,6 @@ class _Run:
     """What every protocol does the same way: load the backbone, find the splits, extract, report."""
 
     def __init__(self, args: argparse.Namespace, protocol: str) -> None:
-        from obow.data.eval_sets import views_from_dict
         from obow.weights.load import load_backbone
 
         self.args = args
@@ -289,20 +337,54 @@ class _Run:
             raise ValueError(f"data folder {str(self.data)!r} does not exist")
         if args.network is not None and args.checkpoint is None:
             raise ValueError("--network picks the student or teacher of a --checkpoint; it needs --checkpoint")
+        recipe = self._recipe()
         self.backbone, self.info = load_backbone(
             args.checkpoint,
             network=args.network or "student",
             backbone_file=args.backbone,
             random_init=args.random_init,
-            arch=args.arch,
-            stem=args.stem,
+            arch=args.arch or (recipe.model.arch if recipe else None),
+            stem=args.stem or (recipe.model.stem if recipe else None),
             seed=args.seed,
+            arch_options=dict(recipe.model.arch_options) if recipe else None,
         )
-        self.views = views_from_dict(self.info["views"], resize=args.resize, size=args.size)
+        if recipe is not None:
+            from obow.data.eval_sets import views_dict
+
+            self.info["views"] = views_dict(recipe.views)
+        self._views: ViewsConfig | None = None
+        self.view_reason = ""
         self.device = device_from_name(args.device)
         self.out = self._out_path()
         self.skipped: list[str] = []
         self._data_info: dict[str, Any] = {}
+
+    def _recipe(self) -> Config | None:
+        """``--config``: the recipe whose network and view a random initialisation takes."""
+        if self.args.config is None:
+            return None
+        if self.args.checkpoint is not None or self.args.backbone is not None or not self.args.random_init:
+            raise ValueError(
+                "--config gives a random initialisation its network and view (with --random-init and no "
+                "--checkpoint or --backbone, whose own recipe is used)"
+            )
+        from obow.config import load_config
+
+        return load_config(self.args.config)
+
+    def choose_view(self, images: ImageList) -> ViewsConfig:
+        """The evaluation view, chosen once (see :func:`obow.data.eval_sets.choose_view`) and said."""
+        if self._views is None:
+            from obow.data.eval_sets import choose_view
+
+            self._views, self.view_reason = choose_view(self.info["views"], images, self.args.resize, self.args.size)
+        return self._views
+
+    @property
+    def views(self) -> ViewsConfig:
+        if self._views is None:
+            raise RuntimeError("the evaluation view is chosen from the first images evaluated (choose_view)")
+        return self._views
 
     def _out_path(self) -> Path:
         if self.args.out:
@@ -353,7 +435,7 @@ class _Run:
 
         return extract_features(
             self.backbone,
-            eval_dataset(images, self.views),
+            eval_dataset(images, self.choose_view(images)),
             batch_size=self.args.batch_size or EXTRACT_BATCH,
             device=self.device,
             num_workers=self.args.workers,
@@ -361,13 +443,22 @@ class _Run:
             skipped=self.skipped,
         )
 
+    def multilabel_features(self, images: MultiLabelSet) -> tuple[np.ndarray, np.ndarray]:
+        """Features and targets of a multi-label split; an unreadable image (replaced by its neighbour during
+        extraction) is dropped with its targets, and counted."""
+        import torch
+
+        features, used = self.features(images.image_list())
+        kept = used == torch.arange(len(images))
+        return features[kept].numpy(), images.targets[kept.numpy()]
+
     def print_table(self, headers: list[str], rows: list[list[Any]]) -> None:
         source = self.info
         if source["kind"] == "random_init":
             what = f"random init (seed {source['seed']})"
         else:
             what = f"{source['network'] or 'exported'} of {source['path']}, epoch {source['epoch']}"
-        view = f"{self.views.teacher_resize}/{self.views.teacher_size} px"
+        view = f"{self.views.teacher_resize}/{self.views.teacher_size} px ({self.view_reason})"
         print(f"{self.protocol}: {source['arch']} ({source['stem']} stem), {what}, view {view}, data {self.data}")
         cells = [headers] + [[_cell(v) for v in row] for row in rows]
         widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
@@ -384,6 +475,7 @@ class _Run:
             "settings": {
                 **settings,
                 "view": views_dict(self.views),
+                "view_source": self.view_reason,
                 "seed": self.args.seed,
                 "device": str(self.device),
                 "extract_batch_size": self.args.batch_size or EXTRACT_BATCH,

@@ -9,6 +9,7 @@ section built directly in Python is validated the same way.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import types
 import typing
 from collections.abc import Mapping
@@ -24,6 +25,8 @@ from obow.training import DEVICES, PRECISIONS
 
 #: Smallest side a BoW level's map may have after border removal (room for the 3x3 local average).
 MIN_BOW_MAP = 3
+
+log = logging.getLogger("obow")
 
 
 class ConfigError(ValueError):
@@ -270,9 +273,17 @@ class OptimConfig:
         check_positive("optim.lr", self.lr)
         check_positive("optim.warmup_epochs", self.warmup_epochs, allow_zero=True)
         if self.warmup_epochs >= self.epochs:
-            raise ConfigError(
-                f"optim.warmup_epochs ({self.warmup_epochs}) must be smaller than optim.epochs ({self.epochs})"
+            # a short run of a long recipe (e.g. optim.epochs=1 with its 1-epoch warm-up) keeps half its length
+            # for the cosine part rather than being refused
+            shortened = self.epochs / 2
+            log.warning(
+                "optim.warmup_epochs (%g) is not shorter than optim.epochs (%d): the warm-up is shortened to %g "
+                "epochs for this run",
+                self.warmup_epochs,
+                self.epochs,
+                shortened,
             )
+            self.warmup_epochs = shortened
         check_positive("optim.end_lr", self.end_lr, allow_zero=True)
         check_unit_interval("optim.momentum", self.momentum, closed=False)
         check_positive("optim.weight_decay", self.weight_decay, allow_zero=True)

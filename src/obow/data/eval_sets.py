@@ -6,8 +6,11 @@ Images are seen as the teacher saw them during pretraining: ``Resize(teacher_res
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
+
+from PIL import Image
 
 from obow.config import ViewsConfig, from_dict
 from obow.data.folders import ImageDataset, ImageList, scan_images
@@ -80,3 +83,43 @@ def align_classes(train: ImageList, test: ImageList) -> ImageList:
     index = {name: i for i, name in enumerate(train.classes or ())}
     labels = [index[test.classes[label]] for label in test.labels]
     return ImageList(root=test.root, paths=test.paths, labels=labels, classes=list(train.classes))
+
+
+#: Images whose median shorter side is at least this get the paper's ImageNet view (256 / 224).
+LARGE_IMAGE_SIDE = 256
+#: How many images (evenly spaced over the list) :func:`typical_side` reads the size of.
+SIDE_SAMPLE = 64
+
+
+def typical_side(images: ImageList, sample: int = SIDE_SAMPLE) -> int | None:
+    """The median shorter side of ``sample`` images spread over ``images`` (read from the file headers only);
+    ``None`` when none of them can be read."""
+    step = max(1, len(images) // sample)
+    sides = []
+    for path in images.paths[::step][:sample]:
+        try:
+            with Image.open(path) as img:
+                sides.append(min(img.size))
+        except Exception:  # noqa: BLE001 - an unreadable file says nothing about the others
+            continue
+    return int(statistics.median(sides)) if sides else None
+
+
+def choose_view(
+    recorded: dict[str, Any] | None, images: ImageList, resize: int | None = None, size: int | None = None
+) -> tuple[ViewsConfig, str]:
+    """The evaluation view and why it was chosen: ``size`` / ``resize`` when given; else the view recorded with
+    the weights (their recipe's teacher view); else one that follows the images: the paper's 256 / 224 for
+    images whose median side is at least :data:`LARGE_IMAGE_SIDE`, the images as they are (resized to their
+    median side, no crop) below that, e.g. 32 px for CIFAR-10 rather than an upsampled 224 px crop."""
+    if size is not None or resize is not None:
+        view = views_from_dict(recorded, resize=resize, size=size)
+        return view, "set by --size / --resize"
+    if recorded is not None:
+        return views_from_dict(recorded), "the recipe the weights were trained with"
+    side = typical_side(images)
+    if side is None or side >= LARGE_IMAGE_SIDE:
+        why = "no recipe; " + (f"the images are large (median side {side} px)" if side else "image sizes unknown")
+        return views_from_dict(None), f"{why}: the paper's ImageNet view"
+    view = views_from_dict({"teacher_resize": side, "teacher_size": side})
+    return view, f"no recipe: the images' median side ({side} px), uncropped"

@@ -20,6 +20,7 @@ Presets (:data:`LINEAR_PRESETS`):
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -57,8 +58,10 @@ LINEAR_PRESETS: dict[str, LinearPreset] = {
 
 
 def preset_for_arch(arch: str) -> str:
-    """The preset matching a backbone: ``"resnet18"`` for the BasicBlock nets, ``"resnet50"`` otherwise."""
-    return "resnet18" if arch in ("resnet18", "resnet34") else "resnet50"
+    """The preset matching a backbone: ``"resnet18"`` for the BasicBlock ResNets (ResNet-10 to 34, torchvision,
+    timm or their variants such as ``timm:resnet18d``), ``"resnet50"`` otherwise."""
+    name = arch.rpartition(":")[2]
+    return "resnet18" if re.match(r"resnet(10|14|18|34)(?!\d)", name) else "resnet50"
 
 
 def lr_at_epoch(

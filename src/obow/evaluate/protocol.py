@@ -41,7 +41,8 @@ def evaluate_features(
 ) -> dict[str, Any]:
     """The protocol's scores (percent) for features already extracted: ``knn``, ``linear``, ``fewshot_<n>``
     (with ``fewshot_<n>_ci``, the 95% half-width), ``effective_rank``, ``mean_cosine``; ``knn_k`` is the k
-    used (at most the number of training images). Shots that the test set cannot fill are left out."""
+    used (at most the number of training images). Shots that the test set cannot fill are left out, and
+    ``notes`` says why."""
     k = min(k, len(train_y))
     scores: dict[str, Any] = {
         "knn": knn_accuracy(train_x, train_y, test_x, test_y, k=k, temperature=temperature),
@@ -68,6 +69,10 @@ def evaluate_features(
     classes, counts = torch.unique(test_y, return_counts=True)
     for n_shot in shots:
         if len(classes) < 2 or int(counts.min()) < n_shot + 1:
+            scores.setdefault("notes", []).append(
+                f"{n_shot}-shot not measured: episodes need {n_shot} support and 1 query image per class; "
+                + (f"the smallest test class has {int(counts.min())}" if len(classes) >= 2 else "one test class")
+            )
             continue
         tasks = sample_episodes(test_y, n_way=default_ways(len(classes)), n_shot=n_shot, n_episodes=episodes, seed=0)
         scores[f"fewshot_{n_shot}"], scores[f"fewshot_{n_shot}_ci"] = prototype_accuracy(test_x, test_y, tasks)

@@ -483,4 +483,6 @@ def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
     lines.append(line("random init (same network)", {}, record["random_init"]))
     for r in record["rows"]:
         lines.append(line(r["label"], r["paper"], r))
+    notes = dict.fromkeys(n for r in (record["random_init"], *record["rows"]) for n in r["scores"].get("notes", []))
+    lines.extend(["", *(f"- `-`: {note}" for note in notes)] if notes else [])
     return "\n".join(lines) + "\n"

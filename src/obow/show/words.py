@@ -31,6 +31,8 @@ from obow.data.folders import EpochSampler, ImageDataset, build_loader
 #: Patches kept per word (the official visualisation also shows 8).
 TOP = 8
 WORD_CHOICES = ("most-used", "random")
+#: Height of the title band of the grid picture, pixels.
+TITLE_HEIGHT = 20
 
 
 @dataclass
@@ -166,12 +168,12 @@ def collect_word_statistics(
 
 
 def choose_words(stats: WordStatistics, words: str, num_words: int = 16, seed: int = 0) -> list[int]:
-    """``"most-used"`` (the ``num_words`` words with the most nearest locations), ``"random"`` (seeded) or
-    comma-separated indices such as ``"3,17,42"``."""
+    """``"most-used"`` (the ``num_words`` words with the most nearest locations, unused words left out),
+    ``"random"`` (seeded) or comma-separated indices such as ``"3,17,42"``."""
     k = stats.counts.numel()
-    if words == "most-used":
+    if words == "most-used":  # words no location chose have no patches to show: left out
         order = torch.argsort(stats.counts, descending=True, stable=True)
-        return order[: min(num_words, k)].tolist()
+        return [w for w in order[: min(num_words, k)].tolist() if stats.counts[w] > 0]
     if words == "random":
         generator = torch.Generator().manual_seed(seed)
         return torch.randperm(k, generator=generator)[: min(num_words, k)].tolist()
@@ -260,16 +262,25 @@ def word_label(word: int, usage: float) -> str:
 
 
 def write_grid(
-    patches: dict[int, list[dict[str, Any]]], usage: Tensor, path: Path, tile: int = 64, n: int = TOP
+    patches: dict[int, list[dict[str, Any]]],
+    usage: Tensor,
+    path: Path,
+    tile: int = 64,
+    n: int = TOP,
+    title: str | None = None,
 ) -> Image.Image:
-    """One row per word: its index and usage on the left, then its patches resized to ``tile`` px."""
+    """One row per word: its index and usage on the left, then its patches resized to ``tile`` px; ``title``
+    (e.g. the level and network) in a band of :data:`TITLE_HEIGHT` px above the rows."""
     gap, label_width = 4, 110
+    top = TITLE_HEIGHT if title else 0
     words = list(patches)
-    size = (label_width + n * (tile + gap), max(1, len(words)) * (tile + gap) + gap)
+    size = (label_width + n * (tile + gap), top + max(1, len(words)) * (tile + gap) + gap)
     grid = Image.new("RGB", size, (255, 255, 255))
     draw = ImageDraw.Draw(grid)
+    if title:
+        draw.text((4, 4), title, fill=(0, 0, 0))
     for i, word in enumerate(words):
-        y = gap + i * (tile + gap)
+        y = top + gap + i * (tile + gap)
         draw.multiline_text((4, y + tile // 3), word_label(word, float(usage[word])), fill=(0, 0, 0))
         for j, patch in enumerate(patches[word]):
             resized = Image.fromarray(patch["pixels"]).resize((tile, tile), Image.Resampling.BICUBIC)
@@ -383,7 +394,9 @@ def show_words(
     usage = stats.usage()
     out = Path(out)
     grid = out / "words.png"
-    write_grid(patches, usage, grid, tile)
+    write_grid(
+        patches, usage, grid, tile, title=f"{vocabulary.level} visual words, {network} network, epoch {info['epoch']}"
+    )
     title = (
         f"{vocabulary.level} words of the {network} of {checkpoint} (epoch {info['epoch']}), "
         f"{len(dataset)} images of {data}"

@@ -91,9 +91,14 @@ def export_backbone(
     source = parse_arch(backbone.arch)[0]
     fmt = fmt or ("timm" if source == "timm" else "torchvision")
     if fmt == "timm" and source != "timm" or source == "timm" and fmt != "timm":
+        if source == "timm":
+            raise ValueError(
+                f"checkpoint {str(checkpoint_path)!r} holds a {backbone.arch} backbone, which exports with --format "
+                f"timm (the default for it): --format {fmt} takes torchvision ResNets (model.arch resnet18, ...)"
+            )
         raise ValueError(
             f"checkpoint {str(checkpoint_path)!r} holds a {backbone.arch} backbone: --format timm is for timm: "
-            f"backbones only, and they export only to it"
+            "backbones; use --format torchvision (the default) or detectron2"
         )
     if fmt == "detectron2" and source != "resnet":
         raise ValueError(f"--format detectron2 takes torchvision ResNets only, not {backbone.arch}")

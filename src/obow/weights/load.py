@@ -13,6 +13,7 @@ A backbone comes from one of three sources:
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,13 @@ def _load_exported(path: Path, arch: str | None, stem: str | None) -> tuple[torc
     meta_path = Path(f"{path}.json")
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     what = f"backbone file {str(path)!r}"
+    if not meta:
+        warnings.warn(
+            f"{what} has no {meta_path.name} sidecar: its architecture is recognised from the weights (a timm "
+            "export cannot be told from a torchvision one), and it has no recipe, so the evaluation view is "
+            "chosen from the images",
+            stacklevel=3,
+        )
     if meta.get("arch") and parse_arch(meta["arch"])[0] != "resnet":
         found_arch, found_stem = meta["arch"], meta.get("stem", "torchvision")
         _check_expected(arch, stem, found_arch, found_stem, what)

@@ -1,0 +1,111 @@
+"""Rough edges a newcomer hit (issue "A first hour that convinces", item 6): each test fails on the old code."""
+
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from obow.cli import main
+from obow.config import load_config
+from obow.evaluate.linear import preset_for_arch
+from obow.weights.load import load_backbone
+
+V1 = Path(__file__).parent / "data" / "v1_run"
+
+
+def test_a_short_run_of_a_long_recipe_shortens_its_warm_up(caplog):
+    with caplog.at_level(logging.WARNING, logger="obow"):
+        cfg = load_config("cifar10_fast", ["optim.epochs=1"])
+    assert cfg.optim.warmup_epochs == 0.5
+    assert "the warm-up is shortened to 0.5 epochs for this run" in caplog.text
+    assert load_config("cifar10_fast").optim.warmup_epochs == 1  # a long run keeps the recipe's
+
+
+@pytest.mark.parametrize(
+    ("arch", "preset"),
+    [
+        ("resnet18", "resnet18"),
+        ("resnet34", "resnet18"),
+        ("timm:resnet18", "resnet18"),
+        ("timm:resnet18d", "resnet18"),
+        ("timm:resnet10t", "resnet18"),
+        ("torchvision:resnet34", "resnet18"),
+        ("resnet50", "resnet50"),
+        ("timm:resnet101", "resnet50"),
+        ("timm:resnet152", "resnet50"),
+    ],
+)
+def test_linear_preset_follows_the_block_type_for_every_source(arch, preset):
+    assert preset_for_arch(arch) == preset
+
+
+def test_export_of_a_timm_backbone_names_the_format_that_works(tmp_path, capsys):
+    ckpt = V1 / "checkpoint_epoch1.pt"  # a timm:resnet18 run
+    code = main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "b.pth"), "--format", "torchvision"])
+    err = capsys.readouterr().err
+    assert code == 2 and "exports with --format timm" in err and "--format torchvision takes torchvision ResNets" in err
+
+
+def test_an_export_without_its_sidecar_is_loaded_with_a_warning(tmp_path):
+    assert main(["export", "--checkpoint", str(V1 / "checkpoint_epoch1.pt"), "--out", str(tmp_path / "b.pth")]) == 0
+    shutil.move(tmp_path / "b.pth", tmp_path / "alone.pth")
+    # a narrow timm export looks like a torchvision ResNet-18 without its sidecar: the warning says so, and
+    # the load then fails on the widths, naming the file
+    with pytest.warns(UserWarning, match=r"has no alone.pth.json sidecar: .* the evaluation view is chosen from"):
+        with pytest.raises(ValueError, match="do not fit a resnet18"):
+            load_backbone(backbone_file=tmp_path / "alone.pth")
+
+
+def test_under_torchrun_only_the_main_process_prints_what_is_next(tmp_path, monkeypatch, capsys):
+    images = shutil.copytree(V1 / "images", tmp_path / "images")
+    args = ["pretrain", "--config", str(V1 / "recipe.yaml"), "--data", str(images), "optim.epochs=1"]
+    monkeypatch.setenv("RANK", "1")
+    assert main([*args, "--out", str(tmp_path / "r1")]) == 0
+    assert "done:" not in capsys.readouterr().out
+    monkeypatch.setenv("RANK", "0")
+    assert main([*args, "--out", str(tmp_path / "r0")]) == 0
+    assert "done: 1 epochs" in capsys.readouterr().out
+
+
+def test_show_words_leaves_out_unused_words_and_titles_the_picture(tmp_path):
+    from PIL import Image
+
+    from obow.show.words import TITLE_HEIGHT, show_words
+
+    result = show_words(V1 / "checkpoint_epoch1.pt", V1 / "images", tmp_path / "w", level="conv5", num_words=16)
+    assert result["usage"] and all(u > 0 for u in result["usage"])
+    assert len(result["words"]) < 16  # 16 words, 24 images of 3x3 border-free conv5 maps: some words go unused
+    grid = Image.open(result["grid"])
+    assert grid.size[1] == TITLE_HEIGHT + len(result["words"]) * 68 + 4
+    band = np.asarray(grid)[:TITLE_HEIGHT]
+    assert (band < 128).any()  # the title is drawn: "conv5 visual words, teacher network, epoch 1"
+
+
+def test_a_few_shot_column_the_test_set_cannot_fill_says_why():
+    import torch
+
+    from obow.evaluate.protocol import evaluate_features
+    from obow.experiments.tables import markdown
+
+    train_x, train_y = torch.randn(12, 4), torch.arange(12) % 3
+    test_x, test_y = torch.randn(9, 4), torch.arange(9) % 3  # 3 images per class: 1-shot yes, 5-shot no
+    scores = evaluate_features(train_x, train_y, test_x, test_y, k=5, episodes=5, linear=False)
+    assert "fewshot_1" in scores and "fewshot_5" not in scores
+    note = "5-shot not measured: episodes need 5 support and 1 query image per class; the smallest test class has 3"
+    assert scores["notes"] == [note]
+    row = {"scores": scores, "steps": 0, "minutes": 0.0}
+    record = {
+        "title": "t",
+        "note": "n",
+        "recipe": "r",
+        "budget_epochs": 1,
+        "train_images": 12,
+        "test_images": 9,
+        "protocol": {"k": 5, "temperature": 0.1, "episodes": 5},
+        "random_init": row,
+        "rows": [{**row, "label": "a", "paper": {}}],
+    }
+    table = markdown(record, ("1-shot", "5-shot"))
+    assert table.count(note) == 1 and table.rstrip().endswith(f"- `-`: {note}")

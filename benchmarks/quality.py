@@ -38,8 +38,8 @@ import torch
 from obow.config import load_config
 from obow.data.eval_sets import align_classes, eval_dataset
 from obow.data.folders import scan_images
-from obow.evaluate.protocol import evaluate_backbone
 from obow.evaluate.monitor import KNNMonitor
+from obow.evaluate.protocol import evaluate_backbone
 from obow.training.loop import pretrain
 from obow.weights.load import load_backbone
 

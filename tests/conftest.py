@@ -17,6 +17,11 @@ import pytest
 import torch
 from PIL import Image
 
+# The tests compute on tiny tensors, where intra-op threads only add synchronisation; on a busy machine they
+# spin against each other (the tiny table run took 60 s with two threads beside other jobs, 6 s with one). The
+# subprocesses that the tests start get OMP_NUM_THREADS=1 for the same reason.
+torch.set_num_threads(1)
+
 # ------------------------------------------------------------------------------------------------ the slow marker
 
 

@@ -1,6 +1,7 @@
 import json
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -67,6 +68,7 @@ def test_random_init_baseline_is_the_pretraining_runs_starting_network():
         torch.testing.assert_close(baseline.state_dict()[name], value, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
     report = run_demo(
         tmp_path,

@@ -5,7 +5,6 @@ import pytest
 import timm
 import torch
 import torchvision
-from test_export import make_checkpoint
 from torch import nn
 
 from obow.backbones import build_backbone, level_map_size
@@ -117,7 +116,7 @@ def test_config_accepts_prefixed_names_and_rejects_bad_ones():
         ("timm:regnetx_002", "torchvision", {}),
     ],
 )
-def test_exported_timm_backbone_loads_strictly_into_timm_create_model(tmp_path, arch, stem, options):
+def test_exported_timm_backbone_loads_strictly_into_timm_create_model(tmp_path, make_checkpoint, arch, stem, options):
     ckpt = make_checkpoint(tmp_path / "ckpt.pt", arch=arch, stem=stem, size=64, options=options)
     meta = export_backbone(ckpt, tmp_path / "backbone.pth")
     assert meta["format"] == "timm" and meta["arch"] == arch

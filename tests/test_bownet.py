@@ -173,6 +173,7 @@ def chain(tmp_path_factory):
     return {"root": root, "rotnet": rotnet, "round1": round1, "round2": round2, "cfg2": cfg2}
 
 
+@pytest.mark.slow
 def test_rotnet_then_two_bownet_rounds(chain):
     rotnet, round1, round2 = (load_checkpoint(chain[k]) for k in ("rotnet", "round1", "round2"))
     assert rotnet["iteration"] == 2 and "classifier.weight" in rotnet["model"]
@@ -190,6 +191,7 @@ def test_rotnet_then_two_bownet_rounds(chain):
     assert round2["iteration"] == 4
 
 
+@pytest.mark.slow
 def test_prepare_is_not_run_again_on_resume(chain):
     out = chain["root"] / "resumed"
     saved = load_checkpoint(chain["round2"].parent / "checkpoints" / "epoch_0001.pt")
@@ -203,6 +205,7 @@ def test_prepare_is_not_run_again_on_resume(chain):
     assert done["iteration"] == 4 and torch.equal(done["model"][key], marked)
 
 
+@pytest.mark.slow
 def test_teacher_of_another_architecture_is_refused(chain, tmp_path):
     cfg = load_config(
         chain["root"] / "tiny.yaml",

@@ -3,10 +3,7 @@ import datetime
 import json
 import shutil
 
-import numpy as np
 import pytest
-from PIL import Image
-from test_export import make_checkpoint
 
 from obow.cli.evaluate import add_eval_parser
 from obow.cli.weights import add_export_parser
@@ -28,20 +25,10 @@ def run(*argv):
     return args.func(args)
 
 
-def write_images(folder, rgb, n, rng, size=16):
-    folder.mkdir(parents=True, exist_ok=True)
-    for i in range(n):
-        pixels = np.clip(np.array(rgb) + rng.normal(0, 40, (size, size, 3)), 0, 255).astype(np.uint8)
-        Image.fromarray(pixels).save(folder / f"{i}.png")
-
-
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, colour_folders, make_checkpoint):
     root = tmp_path_factory.mktemp("cli")
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 8), ("val", 6)):
-        for name, rgb in COLOURS.items():
-            write_images(root / "data" / split / name, rgb, n, rng)
+    colour_folders(root / "data", COLOURS, {"train": 8, "val": 6})
     ckpt = make_checkpoint(root / "run" / "checkpoint.pt", size=16)
     return root / "data", ckpt
 
@@ -174,11 +161,10 @@ def test_exported_backbone_evaluates_like_its_checkpoint(setup, tmp_path):
     assert from_file["source"]["kind"] == "exported" and from_file["source"]["network"] == "teacher"
 
 
-def test_folder_without_class_folders_is_refused(setup, tmp_path):
+def test_folder_without_class_folders_is_refused(setup, tmp_path, noise_images):
     _, ckpt = setup
-    rng = np.random.default_rng(1)
-    for split in ("train", "val"):
-        write_images(tmp_path / "flat" / split, (128, 128, 128), 3, rng)
+    for seed, split in enumerate(("train", "val")):
+        noise_images(tmp_path / "flat" / split, 3, seed=seed)
     for protocol in ("knn", "fewshot"):
         with pytest.raises(ValueError, match=r"flat/(train|val) holds no labelled images: .*needs class folders"):
             run("eval", protocol, "--checkpoint", ckpt, "--data", tmp_path / "flat", *FAST)

@@ -1,8 +1,9 @@
 """The real command line: pretraining writes checkpoints and logs, resumes after a kill to the same weights,
-trains through unreadable and unusual images, and rejects bad settings with clear errors."""
+trains through unreadable and unusual images, and rejects bad settings with clear errors.
+
+Most commands run in this process (``obow_cli``); the kill and the interrupt need a process of their own."""
 
 import io
-import json
 import os
 import signal
 import subprocess
@@ -17,57 +18,28 @@ from PIL import Image
 
 from obow.weights.checkpoint import load_checkpoint
 
-TINY_RECIPE = """
-description: test-sized recipe
-model: {arch: resnet18, stem: cifar, levels: [conv4], num_words: 16, kappa: 5.0, delta_base: 1/10}
-views: {teacher_resize: 28, teacher_size: 24, num_crops: 1, crop_size: 16, num_patches: 2, patch_size: 8,
-        patch_jitter: 2, patch_grid_size: 24, blur_sigma: [0.05, 0.3]}
-data: {batch_size: 8, num_workers: 0}
-optim: {epochs: 3, lr: 0.05, warmup_epochs: 0.5, end_lr: 0.0, weight_decay: 5.0e-4}
-train: {log_every: 1, knn_every: 1, knn_k: 5, progress_bar: false, deterministic: true}
-"""
 
-
-def write_images(root: Path, per_class: int = 12, classes: int = 2, size: int = 32, seed: int = 0) -> Path:
-    rng = np.random.default_rng(seed)
-    for c in range(classes):
-        folder = root / f"class{c}"
-        folder.mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            base = np.zeros((size, size, 3), dtype=np.uint8)
-            base[..., c % 3] = 160
-            noise = rng.integers(0, 90, size=(size, size, 3), dtype=np.uint8)
-            Image.fromarray(base + noise).save(folder / f"{i:03d}.png")
-    return root
-
-
-@pytest.fixture
-def recipe(tmp_path):
-    path = tmp_path / "tiny.yaml"
-    path.write_text(TINY_RECIPE)
-    return path
-
-
-def run_cli(*args, check=True, **kwargs):
+def popen_cli(*args, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "obow.cli", *map(str, args)], capture_output=True, text=True, env=env, **kwargs
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
-    return proc
+    return subprocess.Popen([sys.executable, "-m", "obow.cli", *map(str, args)], env=env, **kwargs)
 
 
-def read_log(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+def wait_for_iteration(out: Path, iteration: int, read_log, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Poll ``out/log.jsonl`` until ``iteration`` is logged; fail if the process ends or the time runs out first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (out / "log.jsonl").exists() and any(r["iteration"] >= iteration for r in read_log(out)):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before iteration {iteration} was logged")
+        time.sleep(0.01)
+    proc.kill()
+    raise AssertionError(f"iteration {iteration} was not logged within {timeout} s")
 
 
-def test_pretrain_writes_checkpoint_logs_and_monitor(tmp_path, recipe):
-    data = write_images(tmp_path / "data" / "train")
-    val = write_images(tmp_path / "data" / "val", per_class=4, seed=1)
-    out = tmp_path / "run"
-    proc = run_cli("pretrain", "--config", recipe, "--data", data, "--val", val, "--out", out, "optim.epochs=2")
-    assert "New run" in proc.stderr and "done: 2 epochs" in proc.stdout
+def test_pretrain_writes_checkpoint_logs_and_monitor(tiny_run, obow_cli, read_log, tmp_path):
+    assert "New run" in tiny_run.result.err and "done: 2 epochs" in tiny_run.result.out
+    out = tiny_run.out
     ckpt = load_checkpoint(out / "checkpoint.pt")
     assert (ckpt["epoch"], ckpt["batch_in_epoch"], ckpt["iteration"]) == (2, 0, 6)
     assert {"model", "optimizer", "rng", "config", "history"} <= set(ckpt)
@@ -83,61 +55,46 @@ def test_pretrain_writes_checkpoint_logs_and_monitor(tmp_path, recipe):
     assert all(0 <= r["knn_top1"] <= 100 for r in epochs)
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert "optim:" in (out / "config.yaml").read_text()
-    # running the same command again: the run is complete, nothing is redone
-    again = run_cli("pretrain", "--config", recipe, "--data", data, "--val", val, "--out", out, "optim.epochs=2")
-    assert "already complete" in again.stderr
-    assert load_checkpoint(out / "checkpoint.pt")["iteration"] == 6
+    # running the same command again (on a copy of the shared run): the run is complete, nothing is redone
+    again = tiny_run.copy(tmp_path / "again")
+    args = [str(again) if str(a) == str(out) else a for a in tiny_run.args]
+    assert "already complete" in obow_cli(*args).err
+    assert load_checkpoint(again / "checkpoint.pt")["iteration"] == 6
+    assert read_log(again) == records
 
 
-def test_killed_run_resumes_to_the_same_weights(tmp_path, recipe):
-    data = write_images(tmp_path / "data", per_class=20)  # 40 images: 5 iterations per epoch, 15 in all
-    args = ["pretrain", "--config", recipe, "--data", data, "train.checkpoint_every=1", "train.knn_every=0"]
-    run_cli(*args, "--out", tmp_path / "whole")
+def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_recipe, write_images, obow_cli, read_log):
+    data = write_images(tmp_path / "data", per_class=40)  # 80 images: 10 iterations per epoch, 20 in all
+    args = ["pretrain", "--config", tiny_recipe, "--data", data, "optim.epochs=2", "train.checkpoint_every=1"]
+    args += ["train.knn_every=0", "train.tensorboard=false"]
+    obow_cli(*args, "--out", tmp_path / "whole")
 
     out = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "obow.cli", *map(str, args), "--out", str(out)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline:  # iteration 7 logged: the checkpoint of iteration 6 (epoch 2, batch 1) is written
-        if (out / "log.jsonl").exists() and any(r["iteration"] >= 7 for r in read_log(out)):
-            break
-        time.sleep(0.02)
+    proc = popen_cli(*args, "--out", out, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # iteration 12 logged: the checkpoint of iteration 11 (epoch 2, batch 1) is written; the kill lands before
+    # the end of epoch 2 (iteration 20) unless 8 more steps slip in between two polls
+    wait_for_iteration(out, 12, read_log, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     partial = load_checkpoint(out / "checkpoint.pt")
     assert partial["epoch"] == 1 and partial["batch_in_epoch"] > 0, "the kill should land in the middle of epoch 2"
 
-    resumed = run_cli(*args, "--out", out)
-    assert "Resuming" in resumed.stderr
+    resumed = obow_cli(*args, "--out", out)
+    assert "Resuming" in resumed.err
     whole = load_checkpoint(tmp_path / "whole" / "checkpoint.pt")
     done = load_checkpoint(out / "checkpoint.pt")
-    assert done["iteration"] == whole["iteration"] == 15
+    assert done["iteration"] == whole["iteration"] == 20
     for name, value in whole["model"].items():
         assert torch.equal(value, done["model"][name]), name
-    assert [r["iteration"] for r in read_log(out) if r.get("type") != "epoch"] == list(range(1, 16))
+    assert [r["iteration"] for r in read_log(out) if r.get("type") != "epoch"] == list(range(1, 21))
 
 
-def test_interrupt_writes_a_mid_epoch_checkpoint(tmp_path, recipe):
+def test_interrupt_writes_a_mid_epoch_checkpoint(tmp_path, tiny_recipe, write_images, read_log):
     data = write_images(tmp_path / "data", per_class=40)
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "obow.cli", "pretrain", "--config", str(recipe), "--data", str(data), "--out", str(out)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if (out / "log.jsonl").exists() and any(r["iteration"] >= 2 for r in read_log(out)):
-            break
-        time.sleep(0.05)
+    args = ["pretrain", "--config", tiny_recipe, "--data", data, "--out", out, "train.tensorboard=false"]
+    proc = popen_cli(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_iteration(out, 2, read_log, proc)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
@@ -147,7 +104,9 @@ def test_interrupt_writes_a_mid_epoch_checkpoint(tmp_path, recipe):
     assert ckpt["iteration"] == ckpt["batch_in_epoch"]
 
 
-def test_unreadable_and_unusual_images_are_converted_or_skipped(tmp_path, recipe):
+def test_unreadable_and_unusual_images_are_converted_or_skipped(
+    tmp_path, tiny_recipe, write_images, obow_cli, read_log
+):
     data = write_images(tmp_path / "data", per_class=6)
     odd = data / "class1"
     rng = np.random.default_rng(3)
@@ -162,81 +121,63 @@ def test_unreadable_and_unusual_images_are_converted_or_skipped(tmp_path, recipe
     Image.fromarray(pixels).save(buffer, format="JPEG")
     (odd / "truncated.jpg").write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
     out = tmp_path / "run"
-    proc = run_cli(
-        "pretrain",
-        "--config",
-        recipe,
-        "--data",
-        data,
-        "--out",
-        out,
-        "optim.epochs=1",
-        "data.num_workers=1",
-        "train.knn_every=0",
-    )
+    proc = obow_cli(
+        "pretrain", "--config", tiny_recipe, "--data", data, "--out", out,
+        "optim.epochs=1", "data.num_workers=1", "train.knn_every=0", "train.tensorboard=false",
+    )  # fmt: skip
     skipped = load_checkpoint(out / "checkpoint.pt")["skipped_images"]
     assert sorted(Path(p).name for p in skipped) == ["corrupt.jpg", "truncated.jpg"]
-    assert "skipped unreadable image" in proc.stderr and "corrupt.jpg" in proc.stderr
+    assert "skipped unreadable image" in proc.err and "corrupt.jpg" in proc.err
     last = [r for r in read_log(out) if r.get("type") == "epoch"][-1]
     assert last["skipped_images"] == 2
 
 
-def test_bad_settings_and_data_give_clear_errors(tmp_path, recipe):
+def test_bad_settings_and_data_give_clear_errors(tmp_path, tiny_recipe, write_images, obow_cli):
     data = write_images(tmp_path / "data", per_class=4)
-    proc = run_cli("pretrain", "--config", recipe, "--data", data, "--out", tmp_path / "a", "optim.lrr=1", check=False)
-    assert proc.returncode == 2 and "unknown key 'optim.lrr'" in proc.stderr
-    proc = run_cli(
-        "pretrain",
-        "--config",
-        recipe,
-        "--data",
-        data,
-        "--out",
-        tmp_path / "a",
-        "views.teacher_size=16",
-        "views.teacher_resize=16",
-        check=False,
+
+    def refused(*args, out="a"):
+        proc = obow_cli("pretrain", "--config", tiny_recipe, "--out", tmp_path / out, *args, check=False)
+        assert proc.code == 2, proc.err
+        return proc.err
+
+    assert "unknown key 'optim.lrr'" in refused("--data", data, "optim.lrr=1")
+    assert "conv4 BoW map is 2x2" in refused("--data", data, "views.teacher_size=16", "views.teacher_resize=16")
+    assert "model.num_words (12) must be a multiple of data.batch_size (8)" in refused(
+        "--data", data, "model.num_words=12"
     )
-    assert proc.returncode == 2 and "conv4 BoW map is 2x2" in proc.stderr
-    proc = run_cli(
-        "pretrain", "--config", recipe, "--data", data, "--out", tmp_path / "a", "model.num_words=12", check=False
-    )
-    assert proc.returncode == 2 and "model.num_words (12) must be a multiple of data.batch_size (8)" in proc.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
-    proc = run_cli("pretrain", "--config", recipe, "--data", empty, "--out", tmp_path / "b", check=False)
-    assert proc.returncode == 2 and "no images" in proc.stderr
-    proc = run_cli("pretrain", "--config", recipe, "--data", tmp_path / "missing", "--out", tmp_path / "b", check=False)
-    assert proc.returncode == 2 and "does not exist" in proc.stderr
-    proc = run_cli(
-        "pretrain",
-        "--config",
-        recipe,
-        "--data",
-        data,
-        "--out",
-        tmp_path / "c",
-        "data.batch_size=64",
-        "model.num_words=64",
-        check=False,
+    assert "no images" in refused("--data", empty, out="b")
+    assert "does not exist" in refused("--data", tmp_path / "missing", out="b")
+    assert "larger than the number of images" in refused(
+        "--data", data, "data.batch_size=64", "model.num_words=64", out="c"
     )
-    assert proc.returncode == 2 and "larger than the number of images" in proc.stderr
 
 
-def test_resuming_with_other_settings_is_refused(tmp_path, recipe):
-    data = write_images(tmp_path / "data", per_class=4)
-    out = tmp_path / "run"
-    run_cli("pretrain", "--config", recipe, "--data", data, "--out", out, "optim.epochs=1", "train.knn_every=0")
-    proc = run_cli(
-        "pretrain", "--config", recipe, "--data", data, "--out", out, "optim.epochs=1", "model.kappa=8", check=False
-    )
-    assert proc.returncode == 2 and "model.kappa: 5.0 -> 8.0" in proc.stderr
+def test_resuming_with_other_settings_is_refused(tiny_run, obow_cli, tmp_path):
+    out = tiny_run.copy(tmp_path / "run")
+    args = [str(out) if str(a) == str(tiny_run.out) else a for a in tiny_run.args]
+    proc = obow_cli(*args, "model.kappa=8", check=False)
+    assert proc.code == 2 and "model.kappa: 5.0 -> 8.0" in proc.err
 
 
-def test_recipes_command_lists_and_prints():
-    proc = run_cli("recipes")
-    assert "imagenet_resnet50_full" in proc.stdout and "cifar10_resnet18" in proc.stdout
-    assert "num_words: 8192" in run_cli("recipes", "imagenet_resnet50_full").stdout
+def test_recipes_command_lists_and_prints(obow_cli):
+    listing = obow_cli("recipes").out
+    assert "imagenet_resnet50_full" in listing and "cifar10_resnet18" in listing
+    assert "num_words: 8192" in obow_cli("recipes", "imagenet_resnet50_full").out
+
+
+@pytest.fixture(scope="module")
+def fp32_first_steps(tmp_path_factory, tiny_recipe, write_images, obow_cli, read_log):
+    """The float32 baseline of the switch tests: one epoch (3 steps) of the tiny recipe on 24 images."""
+    root = tmp_path_factory.mktemp("fp32")
+    data = write_images(root / "data")
+    args = ("pretrain", "--config", tiny_recipe, "--data", data, "optim.epochs=1", "train.tensorboard=false")
+    obow_cli(*args, "--out", root / "fp32")
+    steps = [r for r in read_log(root / "fp32") if r.get("type") != "epoch"]
+    assert [r["iteration"] for r in steps] == [1, 2, 3]
+    assert all(np.isfinite(r["loss"]) for r in steps)
+    return args, steps[0]["loss"]
 
 
 @pytest.mark.parametrize(
@@ -244,25 +185,24 @@ def test_recipes_command_lists_and_prints():
     [
         (("train.precision=bf16", "train.channels_last=true"), 0.05),
         (("train.precision=fp16",), 0.01),
-        (("train.compile=true",), 1e-4),  # compiling on the CPU takes about two minutes
+        pytest.param(("train.compile=true",), 1e-4, marks=pytest.mark.slow),  # compiling on the CPU takes minutes
     ],
     ids=["bf16_channels_last", "fp16", "compile"],
 )
-def test_precision_memory_format_and_compile_switches_train(tmp_path, recipe, settings, rtol):
+def test_precision_memory_format_and_compile_switches_train(
+    tmp_path, fp32_first_steps, obow_cli, read_log, settings, rtol
+):
     """Each switch trains through the real command line, and the first step's loss (same seed, same batch)
     is the float32 one up to the switch's rounding: bf16 keeps 8 bits of mantissa, fp16 11, and a compiled
     network computes the same maths. fp16 also keeps its gradient scaler's state in the checkpoint."""
-    data = write_images(tmp_path / "data")
-    losses = {}
-    for name, extra in (("fp32", ()), ("switch", settings)):
-        out = tmp_path / name
-        run_cli("pretrain", "--config", recipe, "--data", data, "--out", out, "optim.epochs=1", *extra)
-        steps = [r for r in read_log(out) if r.get("type") != "epoch"]
-        assert [r["iteration"] for r in steps] == [1, 2, 3]
-        assert all(np.isfinite(r["loss"]) for r in steps)
-        losses[name] = steps[0]["loss"]
-    assert losses["switch"] == pytest.approx(losses["fp32"], rel=rtol)
-    ckpt = load_checkpoint(tmp_path / "switch" / "checkpoint.pt")
+    args, fp32_loss = fp32_first_steps
+    out = tmp_path / "switch"
+    obow_cli(*args, "--out", out, *settings)
+    steps = [r for r in read_log(out) if r.get("type") != "epoch"]
+    assert [r["iteration"] for r in steps] == [1, 2, 3]
+    assert all(np.isfinite(r["loss"]) for r in steps)
+    assert steps[0]["loss"] == pytest.approx(fp32_loss, rel=rtol)
+    ckpt = load_checkpoint(out / "checkpoint.pt")
     if "train.precision=fp16" in settings:
         assert ckpt["scaler"]["scale"] > 0
     else:

@@ -1,6 +1,7 @@
 import json
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -10,8 +11,16 @@ from obow.methods.obow import OBoW
 from obow.weights.load import load_backbone
 
 
-def test_write_digits_makes_a_stratified_class_folder_split(tmp_path):
-    train, val = write_digits(tmp_path / "data")
+@pytest.fixture(scope="module")
+def digits_root(tmp_path_factory):
+    """The demo's data written once (seed 0) for the tests below: 1,797 images take seconds to write."""
+    root = tmp_path_factory.mktemp("digits") / "seed0"
+    write_digits(root, seed=0)
+    return root
+
+
+def test_write_digits_makes_a_stratified_class_folder_split(digits_root):
+    train, val = digits_root / "train", digits_root / "val"
     counts = {split.name: {d.name: len(list(d.glob("*.png"))) for d in split.iterdir()} for split in (train, val)}
     assert set(counts["train"]) == set(counts["val"]) == {str(i) for i in range(10)}
     assert sum(counts["train"].values()) + sum(counts["val"].values()) == 1797
@@ -23,7 +32,7 @@ def test_write_digits_makes_a_stratified_class_folder_split(tmp_path):
     pixels = np.asarray(image).astype(int)
     assert np.abs(pixels[..., 0] - pixels[..., 1]).mean() > 3  # coloured photograph backgrounds, not grey digits
     before = sorted(p.stat().st_mtime_ns for p in train.rglob("*.png"))
-    write_digits(tmp_path / "data")  # already written: kept as it is
+    assert write_digits(digits_root) == (train, val)  # already written: kept as it is
     assert sorted(p.stat().st_mtime_ns for p in train.rglob("*.png")) == before
 
 
@@ -34,8 +43,8 @@ def test_blend_is_the_absolute_difference_per_channel():
     np.testing.assert_array_equal(blend_on_background(glyph, background), expected)
 
 
-def test_digits_on_backgrounds_are_reproducible(tmp_path):
-    a_train, _ = write_digits(tmp_path / "a", seed=0)
+def test_digits_on_backgrounds_are_reproducible(digits_root, tmp_path):
+    a_train = digits_root / "train"
     b_train, _ = write_digits(tmp_path / "b", seed=0)
     c_train, _ = write_digits(tmp_path / "c", seed=1)
     a_files = sorted(p.relative_to(a_train) for p in a_train.rglob("*.png"))
@@ -67,6 +76,7 @@ def test_random_init_baseline_is_the_pretraining_runs_starting_network():
         torch.testing.assert_close(baseline.state_dict()[name], value, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
     report = run_demo(
         tmp_path,

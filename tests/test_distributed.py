@@ -131,6 +131,7 @@ def two_process_states(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODEL_CFGS))
 def test_two_processes_equal_one_process_on_the_combined_batch(two_process_states, name):
     states = [torch.load(two_process_states / f"{name}_rank{r}.pt") for r in range(WORLD)]
@@ -149,6 +150,7 @@ def test_two_processes_equal_one_process_on_the_combined_batch(two_process_state
         assert key in reference
 
 
+@pytest.mark.slow
 def test_random_vocabulary_choices_agree_across_processes(two_process_states):
     a, b = (torch.load(two_process_states / f"random_rank{r}.pt") for r in range(WORLD))
     for part in ("queue", "kmeans"):
@@ -158,12 +160,10 @@ def test_random_vocabulary_choices_agree_across_processes(two_process_states):
     assert int(a["kmeans"]["vocabulary.step"]) == STEPS
 
 
-def test_torchrun_pretraining_on_two_cpu_processes(tmp_path):
+@pytest.mark.slow
+def test_torchrun_pretraining_on_two_cpu_processes(tmp_path, tiny_recipe, write_images):
     """The real launcher: `torchrun --nproc_per_node 2 -m obow.cli pretrain ...` with gloo on the CPU."""
-    from test_cli_pretrain import TINY_RECIPE, write_images
-
-    recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(TINY_RECIPE)
+    recipe = tiny_recipe
     data = write_images(tmp_path / "data", per_class=8)
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

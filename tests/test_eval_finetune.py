@@ -1,9 +1,7 @@
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from obow.data.eval_sets import eval_dataset, views_from_dict
 from obow.data.folders import ImageDataset, scan_images
@@ -18,19 +16,6 @@ from obow.evaluate.linear import linear_head
 from obow.weights.load import load_backbone
 
 COLOURS = {"blue": (40, 60, 200), "red": (200, 50, 40)}
-
-
-def write_colour_folders(root, counts, size=32, seed=0):
-    """``root/<split>/<colour>/<i>.png``: noisy images of one colour per class."""
-    rng = np.random.default_rng(seed)
-    for split, n in counts.items():
-        for name, rgb in COLOURS.items():
-            folder = root / split / name
-            folder.mkdir(parents=True)
-            for i in range(n):
-                pixels = np.clip(np.array(rgb) + rng.normal(0, 30, (size, size, 3)), 0, 255).astype(np.uint8)
-                Image.fromarray(pixels).save(folder / f"{i}.png")
-    return root
 
 
 def test_balanced_subset_takes_the_fraction_of_every_class():
@@ -70,8 +55,8 @@ def test_optimizer_has_a_trunk_and_a_head_learning_rate():
 
 
 @pytest.fixture(scope="module")
-def colour_data(tmp_path_factory):
-    root = write_colour_folders(tmp_path_factory.mktemp("colours"), {"train": 20, "val": 10})
+def colour_data(tmp_path_factory, colour_folders):
+    root = colour_folders(tmp_path_factory.mktemp("colours"), COLOURS, {"train": 20, "val": 10}, size=32, noise=30)
     views = views_from_dict(None, size=16)
     train = ImageDataset(scan_images(root / "train", labels="folders"), finetune_transform(views))
     return train, eval_dataset(root / "val", views)

@@ -6,29 +6,8 @@ import torch
 import torchvision
 from torch import nn
 
-from obow.config import Config, DataConfig, ModelConfig, ViewsConfig, to_dict
-from obow.methods.obow import OBoW
-from obow.weights.checkpoint import build_checkpoint, save_atomic
 from obow.weights.export import FC_NOTE, detectron2_key, export_backbone
 from obow.weights.load import load_backbone
-
-
-def make_checkpoint(path, arch="resnet18", stem="cifar", size=32, epoch=3, iteration=30, options=None):
-    """A pretraining checkpoint of an untrained OBoW whose student differs from its teacher."""
-    cfg = Config(
-        model=ModelConfig(arch=arch, stem=stem, arch_options=options or {}, levels=("conv4",), num_words=16, border=0),
-        views=ViewsConfig(teacher_resize=size, teacher_size=size, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25)),
-        data=DataConfig(batch_size=16),
-    )
-    model = OBoW.from_config(cfg.model, total_iterations=100)
-    with torch.no_grad():
-        for p in model.student.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-        for name, buf in model.student.named_buffers():
-            if "running" in name:  # non-trivial BN statistics, so that eval-mode features test them too
-                buf.add_(0.1 * torch.rand_like(buf))
-    save_atomic(build_checkpoint(to_dict(cfg), model.state_dict(), epoch=epoch, iteration=iteration), path)
-    return path
 
 
 def torchvision_pool5(model, x):
@@ -37,12 +16,12 @@ def torchvision_pool5(model, x):
 
 
 @pytest.fixture(scope="module")
-def r18(tmp_path_factory):
+def r18(tmp_path_factory, make_checkpoint):
     return make_checkpoint(tmp_path_factory.mktemp("r18") / "checkpoint.pt", stem="torchvision", size=64)
 
 
 @pytest.fixture(scope="module")
-def r50(tmp_path_factory):
+def r50(tmp_path_factory, make_checkpoint):
     return make_checkpoint(
         tmp_path_factory.mktemp("r50") / "checkpoint.pt", arch="resnet50", stem="torchvision", size=64
     )
@@ -92,7 +71,7 @@ def test_resnet50_torchvision_export(r50, tmp_path):
         torch.testing.assert_close(torchvision_pool5(model, x), ours.eval()(x).pool5)
 
 
-def test_cifar_stem_export_warns_and_loads_into_a_modified_torchvision_model(tmp_path):
+def test_cifar_stem_export_warns_and_loads_into_a_modified_torchvision_model(tmp_path, make_checkpoint):
     ckpt = make_checkpoint(tmp_path / "checkpoint.pt")
     out = tmp_path / "backbone.pth"
     with pytest.warns(UserWarning, match="3x3 stride-1"):
@@ -148,7 +127,7 @@ def test_detectron2_pickle_has_renamed_keys_and_original_values(r50, tmp_path):
     assert meta["detectron2_config"]["MODEL.RESNETS.STRIDE_IN_1X1"] is False
 
 
-def test_detectron2_refuses_the_cifar_stem(tmp_path):
+def test_detectron2_refuses_the_cifar_stem(tmp_path, make_checkpoint):
     ckpt = make_checkpoint(tmp_path / "checkpoint.pt")
     with pytest.raises(ValueError, match="cifar stem"):
         export_backbone(ckpt, tmp_path / "out.pkl", fmt="detectron2")

@@ -8,6 +8,7 @@ head that cannot tell which words are which can at best match it.
 """
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -54,6 +55,7 @@ def _train(head, teacher, views, steps=80, seed=0):
     return np.array(losses), np.array(marginal)
 
 
+@pytest.mark.slow
 def test_dynamic_head_learns_and_fixed_head_does_not(digits_images, seed=0):
     teacher, views = _fixed_batch(digits_images)
     dyn_loss, dyn_marginal = _train("dynamic", teacher, views, seed=seed)

@@ -256,6 +256,7 @@ def _dist_worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_processes_share_one_queue_in_rank_order(tmp_path):
     from test_distributed import free_port
 
@@ -295,9 +296,7 @@ def _run_config(data: Path, augmentation: str, epochs: int) -> Config:
 
 
 @pytest.mark.parametrize("augmentation", ["mocov2", "ours"])
-def test_pretrain_resume_and_load_the_student(tmp_path, augmentation):
-    from test_cli_pretrain import read_log, write_images
-
+def test_pretrain_resume_and_load_the_student(tmp_path, write_images, read_log, augmentation):
     from obow.training.loop import pretrain
 
     data = write_images(tmp_path / "data", per_class=8, size=20)  # 16 images: 2 steps per epoch

@@ -8,6 +8,10 @@ image is below 0.05, and the mean below 0.02, with the temperature calibrated on
 untrained network's assignments are nearly hard, bf16 rounding flips some nearest words, and the
 total-variation distance reached 0.16 on conv5 in our measurements: expected, and the reason that option
 exists.
+
+The network is a ResNet-18 with an eighth of the channels (8 to 64): bf16 on a CPU without bf16 units is
+emulated, and the full-width step took 45 s where this one takes 1.5 s. The distances measured are alike: at
+most 0.011 (full width) and 0.012 (narrow) over three seeds, means below 0.01 for both.
 """
 
 import copy
@@ -21,7 +25,13 @@ from obow.methods.obow import OBoW
 def test_bf16_step_runs_and_targets_match_float32():
     torch.manual_seed(0)
     cfg = ModelConfig(
-        arch="resnet18", stem="cifar", levels=("conv4", "conv5"), num_words=64, kappa=5.0, temperature_init=None
+        arch="timm:resnet18",
+        arch_options={"channels": [8, 16, 32, 64], "stem_width": 8},
+        stem="cifar",
+        levels=("conv4", "conv5"),
+        num_words=64,
+        kappa=5.0,
+        temperature_init=None,
     )
     fp32 = OBoW.from_config(cfg, total_iterations=10).train()
     bf16 = copy.deepcopy(fp32)

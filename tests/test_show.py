@@ -9,10 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from test_cli_pretrain import TINY_RECIPE, run_cli, write_images
 from torch import nn
 
-from obow import cli
 from obow.backbones import BackboneOutput
 from obow.cli import common as cli_common
 from obow.config import ViewsConfig
@@ -175,28 +173,12 @@ def test_grid_and_html_hold_every_patch(tmp_path):
     assert all((tmp_path / src).is_file() for src in re.findall(r'src="([^"]+)"', page))
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """`obow pretrain` for 3 steps on 24 generated 32 px images, with a kNN monitor."""
-    root = tmp_path_factory.mktemp("show")
-    recipe = root / "tiny.yaml"
-    recipe.write_text(TINY_RECIPE)
-    write_images(root / "data" / "train")
-    write_images(root / "data" / "val", per_class=3, seed=1)
-    out = root / "run"
-    run_cli(
-        "pretrain", "--config", recipe, "--data", root / "data" / "train", "--val", root / "data" / "val",
-        "--out", out, "optim.epochs=1", "train.tensorboard=false",
-    )  # fmt: skip
-    return root, out
-
-
-def test_show_run_plots_a_real_run_and_overlays_two(tiny_run, tmp_path, capsys):
-    root, out = tiny_run
+def test_show_run_plots_a_real_run_and_overlays_two(tiny_run, tmp_path, obow_cli):
+    out = tiny_run.out
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert any("student/effective_rank" in r for r in records)  # a real run logs the collapse diagnostics
-    plain = root / "run_without_student_metrics"  # the same run without them: their panels must not appear
-    plain.mkdir(exist_ok=True)
+    plain = tmp_path / "run_without_student_metrics"  # the same run without them: their panels must not appear
+    plain.mkdir()
     (plain / "log.jsonl").write_text(
         "".join(json.dumps({k: v for k, v in r.items() if not k.startswith("student/")}) + "\n" for r in records)
     )
@@ -208,8 +190,7 @@ def test_show_run_plots_a_real_run_and_overlays_two(tiny_run, tmp_path, capsys):
     assert ("loss/group0/conv4", False) in loss_panel.series and ("conv4/kl_to_mean_bow", True) in loss_panel.series
     assert not any(t.startswith("student/") for t in titles)  # not logged by this run: no empty panel
     png = tmp_path / "curves.png"
-    assert cli.main(["show", "run", str(plain), "--out", str(png)]) == 0
-    assert f"wrote {png}" in capsys.readouterr().out
+    assert f"wrote {png}" in obow_cli("show", "run", plain, "--out", png).out
     assert titles == [
         "loss per group and level (dashed: kl_to_mean_bow)",
         "BoW perplexity (solid: batch, dashed: per image)",
@@ -220,8 +201,8 @@ def test_show_run_plots_a_real_run_and_overlays_two(tiny_run, tmp_path, capsys):
     ]
     assert Image.open(png).size == (3 * 550, 2 * 360)  # 6 panels on a 3-column grid at 100 dpi
     # a second run that also logged a student/ metric: the panels of both, the runs overlaid
-    other = root / "run_with_student_metrics"
-    other.mkdir(exist_ok=True)
+    other = tmp_path / "run_with_student_metrics"
+    other.mkdir()
     lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     for i, record in enumerate(lines):
         if record.get("type") != "epoch":
@@ -229,21 +210,17 @@ def test_show_run_plots_a_real_run_and_overlays_two(tiny_run, tmp_path, capsys):
     (other / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"cut short')
     both = [read_run(plain), read_run(other)]
     assert [p.title for p in panels_for(both)][3] == "student/effective_rank"
-    assert cli.main(["show", "run", str(plain), str(other), "--out", str(tmp_path / "both.png")]) == 0
+    obow_cli("show", "run", plain, other, "--out", tmp_path / "both.png")
     assert Image.open(tmp_path / "both.png").size == (3 * 550, 3 * 360)
     with pytest.raises(ValueError, match="has no log.jsonl"):
         read_run(tmp_path)
 
 
-def test_show_words_end_to_end(tiny_run, tmp_path, capsys):
-    root, out = tiny_run
+def test_show_words_end_to_end(tiny_run, tmp_path, obow_cli):
     words_out = tmp_path / "words"
-    argv = ["show", "words", "--checkpoint", str(out / "checkpoint.pt"), "--data", str(root / "data" / "val")]
+    argv = ["show", "words", "--checkpoint", tiny_run.checkpoint, "--data", tiny_run.data / "val"]
     # four chosen words (most-used would leave out the words this tiny run never uses)
-    assert (
-        cli.main([*argv, "--out", str(words_out), "--words", "12,13,14,15", "--workers", "0", "--device", "cpu"]) == 0
-    )
-    printed = capsys.readouterr().out
+    printed = obow_cli(*argv, "--out", words_out, "--words", "12,13,14,15", "--workers", 0, "--device", "cpu").out
     assert "conv4: 4 words over 6 images" in printed and "wrote" in printed
     grid = Image.open(words_out / "words.png")
     assert grid.size == (110 + 8 * 68, TITLE_HEIGHT + 4 * 68 + 4)
@@ -251,10 +228,10 @@ def test_show_words_end_to_end(tiny_run, tmp_path, capsys):
     page = (words_out / "index.html").read_text()
     assert page.count("<img ") == 32 and page.count("<figcaption>") == 32 and page.count("<h2>") == 4
     assert len(list((words_out / "patches").glob("*.png"))) == 32
-    assert cli.main([*argv, "--out", str(tmp_path / "w2"), "--words", "0,15", "--level", "conv4"]) == 0
+    obow_cli(*argv, "--out", tmp_path / "w2", "--words", "0,15", "--level", "conv4")
     assert (tmp_path / "w2" / "index.html").read_text().count("<h2>word ") == 2
-    assert cli.main([*argv, "--out", str(tmp_path / "w3"), "--level", "conv5"]) == 2
-    assert "no vocabulary for conv5; its levels: conv4" in capsys.readouterr().err
+    refused = obow_cli(*argv, "--out", tmp_path / "w3", "--level", "conv5", check=False)
+    assert refused.code == 2 and "no vocabulary for conv5; its levels: conv4" in refused.err
 
 
 def test_nearest_is_cosine_brute_force():
@@ -265,12 +242,11 @@ def test_nearest_is_cosine_brute_force():
     np.testing.assert_array_equal(nearest(train, queries, 4).numpy(), expected)
 
 
-def test_show_neighbours_end_to_end(tiny_run, tmp_path, capsys):
-    root, out = tiny_run
+def test_show_neighbours_end_to_end(tiny_run, tmp_path, obow_cli):
     png = tmp_path / "nn.png"
-    argv = ["show", "neighbours", "--checkpoint", str(out / "checkpoint.pt"), "--data", str(root / "data")]
-    assert cli.main([*argv, "--out", str(png), "--queries", "3", "--k", "4", "--workers", "0", "--device", "cpu"]) == 0
-    assert "neighbours of the query's class: learned" in capsys.readouterr().out
+    argv = ["show", "neighbours", "--checkpoint", tiny_run.checkpoint, "--data", tiny_run.data]
+    printed = obow_cli(*argv, "--out", png, "--queries", 3, "--k", 4, "--workers", 0, "--device", "cpu").out
+    assert "neighbours of the query's class: learned" in printed
     image = np.asarray(Image.open(png).convert("RGB"))
     cell = 64 + 6 + 6
     assert image.shape == (16 + 3 * cell, cell * 9 + 12, 3)

@@ -3,15 +3,11 @@ writes its table and resumes without retraining."""
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
 from obow.config import load_config
 from obow.experiments.tables import TABLES, _fill, _placeholders, list_tables, markdown, select_rows
-from tests.test_cli_pretrain import write_images
 
 TINY = """
 description: tiny base for tables
@@ -62,14 +58,8 @@ def test_select_rows_by_number_label_or_slug_and_clear_error():
         select_rows(t, ["nine"])
 
 
-def run_cli(*args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "obow", *map(str, args)], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def test_tiny_table3_run_writes_the_table_and_resumes_without_retraining(tmp_path):
+@pytest.mark.slow
+def test_tiny_table3_run_writes_the_table_and_resumes_without_retraining(tmp_path, write_images, obow_cli):
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(TINY)
     data = tmp_path / "data"
@@ -77,10 +67,8 @@ def test_tiny_table3_run_writes_the_table_and_resumes_without_retraining(tmp_pat
     write_images(data / "test", per_class=6, size=28, seed=1)
     out = tmp_path / "tables"
     args = ["tables", "run", "table3", "--data", data, "--budget", "1", "--recipe", recipe, "--out", out]
-    proc = run_cli(*args, "--rows", "1", "4", "--k", "5", "--episodes", "10")
-    assert (
-        "| random init (same network) |" in proc.stdout and "| soft, dynamic | 42.11 | 62.44 | 45.86 |" in proc.stdout
-    )
+    printed = obow_cli(*args, "--rows", "1", "4", "--k", "5", "--episodes", "10").out
+    assert "| random init (same network) |" in printed and "| soft, dynamic | 42.11 | 62.44 | 45.86 |" in printed
 
     record = json.loads((out / "table3" / "table.json").read_text())
     assert [r["label"] for r in record["rows"]] == ["soft, dynamic", "hard, fixed"]
@@ -97,7 +85,7 @@ def test_tiny_table3_run_writes_the_table_and_resumes_without_retraining(tmp_pat
     # resumable: finished rows are not retrained, a new row is added, the table keeps every finished row
     checkpoint = out / "table3" / "soft_dynamic" / "checkpoint.pt"
     stamp = checkpoint.stat().st_mtime_ns
-    run_cli(*args, "--rows", "soft_dynamic", "2", "--k", "5", "--episodes", "10")
+    obow_cli(*args, "--rows", "soft_dynamic", "2", "--k", "5", "--episodes", "10")
     assert checkpoint.stat().st_mtime_ns == stamp
     record = json.loads((out / "table3" / "table.json").read_text())
     assert [r["label"] for r in record["rows"]] == ["soft, dynamic", "hard, dynamic", "hard, fixed"]

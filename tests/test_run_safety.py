@@ -29,7 +29,14 @@ from obow import cli
 from obow.config import load_config, to_dict
 from obow.files import WriteError, write_failure_cause
 from obow.training.lock import LOCK_NAME, FolderInUse, RunLock
-from obow.training.state import RESUMABLE_CHANGES, check_same_run, get_rng_state, handle_signals, set_rng_state
+from obow.training.state import (
+    RESUMABLE_CHANGES,
+    SAME_REQUEST_SECONDS,
+    check_same_run,
+    get_rng_state,
+    handle_signals,
+    set_rng_state,
+)
 from obow.weights.checkpoint import load_checkpoint, save_atomic
 
 V1_CHECKPOINT = Path(__file__).parent / "data" / "v1_run" / "checkpoint_epoch1.pt"
@@ -212,19 +219,24 @@ def test_a_second_pretrain_is_refused_and_a_killed_ones_lock_is_taken_over(setup
 # ------------------------------------------------------------------------------------------------ signals
 
 
-def test_first_signal_is_noted_and_a_second_one_aborts(caplog):
+def deliver(signum: int) -> None:
+    """Send ``signum`` to this process and let its handler run (between two bytecodes of this thread)."""
+    os.kill(os.getpid(), signum)
+    for _ in range(1000):
+        pass
+
+
+def test_first_signal_is_noted_a_repeat_at_once_is_the_same_and_a_later_one_aborts(caplog):
     with caplog.at_level("WARNING", logger="obow"), handle_signals() as flag:
         assert flag.received is None
-        os.kill(os.getpid(), signal.SIGTERM)
-        for _ in range(1000):  # the handler runs between two bytecodes of this thread
-            if flag.received:
-                break
+        deliver(signal.SIGTERM)
         assert flag.received == "SIGTERM"
+        deliver(signal.SIGINT)  # at once: torchrun passing on the Ctrl-C its workers also received
+        assert flag.received == "SIGTERM"
+        time.sleep(SAME_REQUEST_SECONDS + 0.1)
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            for _ in range(1000):
-                pass
-    assert "SIGTERM: finishing the step under way, then writing a checkpoint" in caplog.text
+            deliver(signal.SIGINT)
+    assert caplog.text.count("SIGTERM: finishing the step under way, then writing a checkpoint") == 1
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the previous handlers are back
 
 
@@ -284,6 +296,49 @@ def test_ctrl_c_reaches_the_data_workers_too_and_still_stops_at_a_step_boundary(
     assert "Traceback" not in stderr and "exited unexpectedly" not in stderr
     ckpt = load_checkpoint(out / "checkpoint.pt")
     assert ckpt["iteration"] == max(r["iteration"] for r in read_log(out)) >= 3
+
+
+def torchrun(setup, out: Path, **popen) -> subprocess.Popen:
+    """``torchrun --nproc_per_node 2 -m obow.cli pretrain ...`` on the CPU (gloo)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    return subprocess.Popen(
+        [*launcher, "-m", "obow.cli", *pretrain_args(setup, out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        **popen,
+    )
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_torchrun_stops_both_processes_at_one_boundary_and_resumes_exactly(setup, tmp_path):
+    """The terminal's Ctrl-C reaches torchrun and both workers, and torchrun passes it on: each worker gets it
+    twice at once, which counts as one request; both agree on the step boundary, and the checkpoint holds
+    both processes' random states and epoch sums."""
+    whole = torchrun(setup, tmp_path / "whole")
+    _, stderr = whole.communicate(timeout=300)
+    assert whole.returncode == 0, stderr[-3000:]
+    out = tmp_path / "run"
+    proc = torchrun(setup, out, start_new_session=True)
+    wait_for_iteration(out, STEPS_PER_EPOCH + 3, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)  # torchrun itself ends with its own error: it was interrupted
+    assert "Interrupted: checkpoint written" in stderr, stderr[-3000:]
+    partial = load_checkpoint(out / "checkpoint.pt")
+    assert partial["epoch"] == 1 and 0 < partial["batch_in_epoch"] < STEPS_PER_EPOCH
+    assert len(partial["rng"]) == len(partial["epoch_progress"]["sums"]) == 2
+    assert partial["epoch_progress"]["sums"][0] != partial["epoch_progress"]["sums"][1]  # each its own half
+
+    resumed = torchrun(setup, out)
+    _, stderr = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0 and "Resuming" in stderr, stderr[-3000:]
+    assert_same_final_state(
+        load_checkpoint(out / "checkpoint.pt"), load_checkpoint(tmp_path / "whole" / "checkpoint.pt")
+    )
 
 
 # ------------------------------------------------------------------------------------------------ hard kill

@@ -303,28 +303,37 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+#: Signals this close after the first count as the same request: a terminal's Ctrl-C reaches ``torchrun`` and
+#: its workers, and ``torchrun`` passes it on to them, so each worker receives it twice at once.
+SAME_REQUEST_SECONDS = 1.0
+
+
 class SignalFlag:
-    """The first SIGINT / SIGTERM received by this process (:attr:`received`: its name, or ``None``)."""
+    """The first SIGINT / SIGTERM received by this process (:attr:`received`: its name, or ``None``) and when
+    (:attr:`at`, ``time.monotonic()``)."""
 
     def __init__(self) -> None:
         self.received: str | None = None
+        self.at = 0.0
 
 
 @contextlib.contextmanager
 def handle_signals(announce: bool = True) -> Iterator[SignalFlag]:
     """Note the first SIGINT or SIGTERM in the flag this yields, so that the loop finishes the step under way,
-    writes a checkpoint at the step boundary and stops (:class:`Interrupted`). A second signal aborts at once
-    with ``KeyboardInterrupt``: a checkpoint being written is then dropped and the previous one stays whole.
-    ``announce`` logs what the first signal does (the main process)."""
+    writes a checkpoint at the step boundary and stops (:class:`Interrupted`). Another signal, later than
+    :data:`SAME_REQUEST_SECONDS` after the first, aborts at once with ``KeyboardInterrupt``: a checkpoint being
+    written is then dropped and the previous one stays whole. ``announce`` logs what the first signal does
+    (the main process)."""
     flag = SignalFlag()
 
     def note(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        if flag.received is not None:
+        if flag.received is None:
+            flag.received, flag.at = name, time.monotonic()
+            if announce:
+                log.warning("%s: finishing the step under way, then writing a checkpoint (again to abort)", name)
+        elif time.monotonic() - flag.at > SAME_REQUEST_SECONDS:
             raise KeyboardInterrupt(name)
-        flag.received = name
-        if announce:
-            log.warning("%s: finishing the step under way, then writing a checkpoint (again to abort at once)", name)
 
     try:
         previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -40,6 +40,8 @@ from obow.data.eval_sets import align_classes, eval_dataset
 from obow.data.folders import scan_images
 from obow.evaluate.monitor import KNNMonitor
 from obow.evaluate.protocol import evaluate_backbone
+from obow.files import WriteError, writing
+from obow.training.lock import FolderInUse, RunLock
 from obow.training.loop import pretrain
 from obow.weights.load import load_backbone
 
@@ -103,68 +105,70 @@ def main() -> int:
     args = parser.parse_args()
 
     train_dir, test_dir = args.data / "train", test_folder(args.data)
-    rows = []
-    for text in args.run:
-        name, recipe, overrides = parse_run(text)
-        out = args.out / name
-        common = [f"data.path={train_dir}", "train.progress_bar=false"]
-        if args.per_class:
-            common.append(f"data.images_per_class={args.per_class}")
-        overrides = [*common, *overrides]
-        if args.minutes is not None and not (out / "checkpoint.pt").exists():
-            probe_cfg = load_config(recipe, overrides)
-            per_epoch = len(scan_images(train_dir, "folders", probe_cfg.data.images_per_class)) // (
-                probe_cfg.data.batch_size
-            )
-            seconds = time_steps(probe_cfg)
-            epochs = max(1, math.floor(args.minutes * 60 / (seconds * per_epoch)))
-            warmup = min(probe_cfg.optim.warmup_epochs, epochs / 2) if epochs > 1 else 0
-            overrides += [f"optim.epochs={epochs}", f"optim.warmup_epochs={warmup}"]
-            print(f"{name}: {seconds:.2f} s/step, {per_epoch} steps/epoch -> {epochs} epochs", flush=True)
-        cfg = load_config(recipe, overrides)
-        start = time.time()
-        result = pretrain(cfg, out, monitor=KNNMonitor)
-        wall = time.time() - start
-        timing = out / "quality_timing.json"  # the first (real) pretraining's wall time, kept across re-runs
-        if not timing.exists():
-            timing.write_text(json.dumps({"pretrain_seconds": wall}))
-        history = json.loads(timing.read_text())
+    with RunLock(args.out):  # one benchmark per output folder: its runs and quality.json are shared
+        rows = []
+        for text in args.run:
+            name, recipe, overrides = parse_run(text)
+            out = args.out / name
+            common = [f"data.path={train_dir}", "train.progress_bar=false"]
+            if args.per_class:
+                common.append(f"data.images_per_class={args.per_class}")
+            overrides = [*common, *overrides]
+            if args.minutes is not None and not (out / "checkpoint.pt").exists():
+                probe_cfg = load_config(recipe, overrides)
+                per_epoch = len(scan_images(train_dir, "folders", probe_cfg.data.images_per_class)) // (
+                    probe_cfg.data.batch_size
+                )
+                seconds = time_steps(probe_cfg)
+                epochs = max(1, math.floor(args.minutes * 60 / (seconds * per_epoch)))
+                warmup = min(probe_cfg.optim.warmup_epochs, epochs / 2) if epochs > 1 else 0
+                overrides += [f"optim.epochs={epochs}", f"optim.warmup_epochs={warmup}"]
+                print(f"{name}: {seconds:.2f} s/step, {per_epoch} steps/epoch -> {epochs} epochs", flush=True)
+            cfg = load_config(recipe, overrides)
+            start = time.time()
+            result = pretrain(cfg, out, monitor=KNNMonitor)
+            wall = time.time() - start
+            timing = out / "quality_timing.json"  # the first (real) pretraining's wall time, kept across re-runs
+            if not timing.exists():
+                with writing(timing):
+                    timing.write_text(json.dumps({"pretrain_seconds": wall}))
+            history = json.loads(timing.read_text())
 
-        train_images = scan_images(train_dir, "folders", cfg.data.images_per_class)
-        test_images = align_classes(train_images, scan_images(test_dir, "folders", args.test_per_class))
-        train_set, test_set = eval_dataset(train_images, cfg.views), eval_dataset(test_images, cfg.views)
-        random_net, _ = load_backbone(
-            random_init=True,
-            arch=cfg.model.arch,
-            stem=cfg.model.stem,
-            seed=cfg.train.seed,
-            arch_options=cfg.model.arch_options,
-        )
-        trained_net, _ = load_backbone(result["checkpoint"])
-        random_scores = evaluate(random_net, train_set, test_set, args.k, args.temperature)
-        trained_scores = evaluate(trained_net, train_set, test_set, args.k, args.temperature)
-        epochs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-        curve = [(r["epoch"], r["knn_top1"]) for r in epochs if r.get("type") == "epoch" and "knn_top1" in r]
-        rows.append(
-            {
-                "name": name,
-                "recipe": recipe,
-                "overrides": overrides,
-                "arch": cfg.model.arch,
-                "steps": result["iteration"],
-                "train_images": len(train_images),
-                "test_images": len(test_images),
-                "pretrain_minutes": history["pretrain_seconds"] / 60,
-                "random_init": random_scores,
-                "pretrained": trained_scores,
-                "knn_gain": trained_scores["knn"] - random_scores["knn"],
-                "linear_gain": trained_scores["linear"] - random_scores["linear"],
-                "monitor_knn_per_epoch": curve,
-            }
-        )
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "quality.json").write_text(json.dumps(rows, indent=2))
-        print_table(rows)
+            train_images = scan_images(train_dir, "folders", cfg.data.images_per_class)
+            test_images = align_classes(train_images, scan_images(test_dir, "folders", args.test_per_class))
+            train_set, test_set = eval_dataset(train_images, cfg.views), eval_dataset(test_images, cfg.views)
+            random_net, _ = load_backbone(
+                random_init=True,
+                arch=cfg.model.arch,
+                stem=cfg.model.stem,
+                seed=cfg.train.seed,
+                arch_options=cfg.model.arch_options,
+            )
+            trained_net, _ = load_backbone(result["checkpoint"])
+            random_scores = evaluate(random_net, train_set, test_set, args.k, args.temperature)
+            trained_scores = evaluate(trained_net, train_set, test_set, args.k, args.temperature)
+            epochs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+            curve = [(r["epoch"], r["knn_top1"]) for r in epochs if r.get("type") == "epoch" and "knn_top1" in r]
+            rows.append(
+                {
+                    "name": name,
+                    "recipe": recipe,
+                    "overrides": overrides,
+                    "arch": cfg.model.arch,
+                    "steps": result["iteration"],
+                    "train_images": len(train_images),
+                    "test_images": len(test_images),
+                    "pretrain_minutes": history["pretrain_seconds"] / 60,
+                    "random_init": random_scores,
+                    "pretrained": trained_scores,
+                    "knn_gain": trained_scores["knn"] - random_scores["knn"],
+                    "linear_gain": trained_scores["linear"] - random_scores["linear"],
+                    "monitor_knn_per_epoch": curve,
+                }
+            )
+            with writing(args.out / "quality.json") as path:
+                path.write_text(json.dumps(rows, indent=2))
+            print_table(rows)
     return 0
 
 
@@ -185,4 +189,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (FolderInUse, WriteError) as err:  # another benchmark on --out, or a failed write: one line
+        sys.exit(f"quality.py: error: {err}")

@@ -9,6 +9,7 @@ same code.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -88,6 +89,16 @@ def all_reduce_max(tensor: Tensor) -> Tensor:
     out = tensor.clone()
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return out
+
+
+def agree_any(flags: Sequence[bool], device: torch.device) -> list[bool]:
+    """Each flag, true on every process when it is true on any one (one small all-reduce on ``device``, which
+    must suit the backend: a CUDA device under NCCL)."""
+    if not is_distributed():
+        return list(flags)
+    out = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in out.tolist()]
 
 
 def all_gather_cat(tensor: Tensor) -> Tensor:

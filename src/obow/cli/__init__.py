@@ -16,10 +16,15 @@ command imports what it needs when it runs. ``key=value`` overrides may stand an
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
+
+#: Errors that only a write meets: a read-only file system, a full disk or quota, a file size limit.
+WRITE_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,8 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, RuntimeError) as err:  # ConfigError is a ValueError
+    except (ValueError, RuntimeError) as err:  # ConfigError is a ValueError, WriteError a RuntimeError
         print(f"obow: error: {one_line(err)}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a file operation that no command wraps with its own message
+        print(f"obow: error: {os_error_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -45,6 +53,24 @@ def one_line(err: BaseException) -> str:
         last = text.rstrip().splitlines()[-1]
         text = last.partition(": ")[2] or last
     return text
+
+
+def os_error_line(err: OSError) -> str:
+    """``FILE: CAUSE`` for an ``OSError`` (``cannot write FILE: CAUSE`` when the cause is one only writes meet)."""
+    from obow.files import write_failure_cause
+
+    if err.filename is None:
+        return str(err)
+    path = Path(os.fsdecode(err.filename))
+    if err.errno in WRITE_ERRNOS:
+        return f"cannot write {path}: {write_failure_cause(path, err)}"
+    return f"{path}: {err.strerror}"
+
+
+def exit_code(err: BaseException) -> int:
+    """The shell's code for a run stopped by a signal: 128 + its number (130 for SIGINT, 143 for SIGTERM)."""
+    name = getattr(err, "signal", None)
+    return 128 + int(signal.Signals[name] if name in signal.Signals.__members__ else signal.SIGINT)
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
@@ -135,8 +161,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
     try:
         result = pretrain(cfg, out, monitor=KNNMonitor)
-    except Interrupted:
-        return 130
+    except Interrupted as err:
+        return exit_code(err)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, the main process alone says what is next
         return 0
     print(f"done: {result['epochs']} epochs, checkpoint {result['checkpoint']}")
@@ -151,8 +177,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     try:
         run_demo(Path(args.out), list(args.overrides))
-    except Interrupted:
-        return 130
+    except Interrupted as err:
+        return exit_code(err)
     return 0
 
 
@@ -196,8 +222,8 @@ def cmd_tables_run(args: argparse.Namespace) -> int:
             k=args.k,
             episodes=args.episodes,
         )
-    except Interrupted:
-        return 130
+    except Interrupted as err:
+        return exit_code(err)
     print(markdown(record, TABLES[args.name].columns))
     print(f"written: {Path(args.out) / args.name / 'table.md'} and table.json")
     return 0

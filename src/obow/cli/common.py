@@ -41,8 +41,10 @@ def positive_float(text: str) -> float:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2) + "\n")
+    from obow.files import writing
+
+    with writing(path):
+        path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
 def device_from_name(name: str) -> torch.device:

@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from obow.config.schema import Config, ConfigError, from_dict, to_dict
+from obow.files import writing
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
@@ -101,5 +102,5 @@ def load_config(source: str | Path | None = None, overrides: Sequence[str] = ())
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    with open(path, "w") as f:
+    with writing(path) as path, open(path, "w") as f:
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)

@@ -303,6 +303,7 @@ class TrainConfig:
     backward_per_group: bool = True
     log_every: int = 20
     checkpoint_every: int = 0
+    checkpoint_minutes: float = 10.0
     keep_every: int = 0
     knn_every: int = 1
     knn_k: int = 20
@@ -317,6 +318,7 @@ class TrainConfig:
         _check_int("train.log_every", self.log_every, minimum=1)
         for name in ("checkpoint_every", "keep_every", "knn_every"):
             _check_int(f"train.{name}", getattr(self, name), minimum=0)
+        check_positive("train.checkpoint_minutes", self.checkpoint_minutes, allow_zero=True)
         _check_int("train.knn_k", self.knn_k, minimum=1)
         check_positive("train.knn_temperature", self.knn_temperature)
 

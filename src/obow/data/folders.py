@@ -17,6 +17,7 @@ import math
 import operator
 import os
 import random
+import signal
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -418,4 +419,11 @@ def build_loader(
         # and a resumed run would consume that RNG at a different point than an uninterrupted one. Worker
         # seeds do not matter here, since every sample is seeded from its key.
         generator=torch.Generator().manual_seed(0),
+        worker_init_fn=ignore_interrupt,
     )
+
+
+def ignore_interrupt(worker_id: int) -> None:
+    """Ctrl-C reaches every process of the terminal's group: the workers leave it to the main process, which
+    finishes the step under way and writes a checkpoint (a worker ended by it would fail the next batch)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from obow.files import writing
+
 log = logging.getLogger("obow")
 
 DEMO_IMAGE_SIZE = 32
@@ -69,10 +71,10 @@ def write_digits(root: Path, size: int = DEMO_IMAGE_SIZE, seed: int = 0, backgro
                 image = Image.fromarray(blend_on_background(glyph, photo[y : y + size, x : x + size]))
             else:
                 image = Image.fromarray(glyph, mode="L").convert("RGB")
-            folder = split_dir / str(digits.target[i])
-            folder.mkdir(parents=True, exist_ok=True)
-            image.save(folder / f"{i:04d}.png")
-    done.touch()
+            with writing(split_dir / str(digits.target[i]) / f"{i:04d}.png") as path:
+                image.save(path)
+    with writing(done):
+        done.touch()
     return train_dir, val_dir
 
 
@@ -131,7 +133,7 @@ def run_demo(out: Path, overrides: list[str]) -> dict:
         "total_seconds": total,
         "out": str(out),
     }
-    with open(out / "demo_results.json", "w") as f:
+    with writing(out / "demo_results.json") as path, open(path, "w") as f:
         json.dump(report, f, indent=2)
     print_table(rows, pretext, pretrain_time, total, curve)
     return report

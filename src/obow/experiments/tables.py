@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from obow.files import writing
+
 log = logging.getLogger("obow")
 
 #: The paper's columns and the protocol's keys.
@@ -330,6 +332,7 @@ def run_table(
     from obow.data.eval_sets import align_classes, eval_dataset
     from obow.data.folders import scan_images
     from obow.evaluate.protocol import evaluate_backbone
+    from obow.training.lock import RunLock
     from obow.weights.load import load_backbone
 
     if name not in TABLES:
@@ -357,61 +360,62 @@ def run_table(
     values = _placeholders(base, len(train_images))
     protocol = {"k": k, "temperature": temperature, "episodes": episodes}
     folder = Path(out) / name
-    folder.mkdir(parents=True, exist_ok=True)
-    device = "cuda" if base.train.device != "cpu" and _cuda() else "cpu"
+    with RunLock(folder):  # one `obow tables run` per table folder: its rows' runs and results are shared
+        device = "cuda" if base.train.device != "cpu" and _cuda() else "cpu"
 
-    def finished(slug: str) -> dict[str, Any] | None:
-        path = folder / slug / "result.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        def finished(slug: str) -> dict[str, Any] | None:
+            path = folder / slug / "result.json"
+            return json.loads(path.read_text()) if path.exists() else None
 
-    reference = finished("random_init")
-    if reference is None:
-        net, _ = load_backbone(
-            random_init=True,
-            arch=base.model.arch,
-            stem=base.model.stem,
-            seed=base.train.seed,
-            arch_options=base.model.arch_options,
-        )
-        reference = {
-            "label": "random init",
-            "slug": "random_init",
-            "scores": evaluate_backbone(net, train_set, test_set, device=device, **protocol),
-            "steps": 0,
-            "minutes": 0.0,
+        reference = finished("random_init")
+        if reference is None:
+            net, _ = load_backbone(
+                random_init=True,
+                arch=base.model.arch,
+                stem=base.model.stem,
+                seed=base.train.seed,
+                arch_options=base.model.arch_options,
+            )
+            reference = {
+                "label": "random init",
+                "slug": "random_init",
+                "scores": evaluate_backbone(net, train_set, test_set, device=device, **protocol),
+                "steps": 0,
+                "minutes": 0.0,
+            }
+            _write(folder / "random_init" / "result.json", reference)
+
+        results = {}
+        for row in select_rows(table, rows):
+            done = finished(row.slug)
+            if done is None:
+                done = _run_row(row, folder / row.slug, recipe, common, values, budget, base)
+                net, _ = load_backbone(done.pop("checkpoint"))
+                done["scores"] = evaluate_backbone(net, train_set, test_set, device=device, **protocol)
+                _write(folder / row.slug / "result.json", done)
+            results[row.slug] = done
+            log.info("%s: %s done", name, row.label)
+        record = {
+            "table": name,
+            "title": table.title,
+            "note": table.note,
+            "recipe": recipe,
+            "budget_epochs": budget,
+            "train_images": len(train_images),
+            "test_images": len(test_images),
+            "protocol": protocol,
+            "overrides": list(overrides or []),
+            "random_init": reference,
+            "rows": [],
         }
-        _write(folder / "random_init" / "result.json", reference)
-
-    results = {}
-    for row in select_rows(table, rows):
-        done = finished(row.slug)
-        if done is None:
-            done = _run_row(row, folder / row.slug, recipe, common, values, budget, base)
-            net, _ = load_backbone(done.pop("checkpoint"))
-            done["scores"] = evaluate_backbone(net, train_set, test_set, device=device, **protocol)
-            _write(folder / row.slug / "result.json", done)
-        results[row.slug] = done
-        log.info("%s: %s done", name, row.label)
-    record = {
-        "table": name,
-        "title": table.title,
-        "note": table.note,
-        "recipe": recipe,
-        "budget_epochs": budget,
-        "train_images": len(train_images),
-        "test_images": len(test_images),
-        "protocol": protocol,
-        "overrides": list(overrides or []),
-        "random_init": reference,
-        "rows": [],
-    }
-    for r in table.rows:  # rows of this call, and rows finished by earlier calls (--rows)
-        done = results.get(r.slug) or finished(r.slug)
-        if done is not None:
-            record["rows"].append({**done, "label": r.label, "paper": r.paper})
-    _write(folder / "table.json", record)
-    (folder / "table.md").write_text(markdown(record, table.columns))
-    return record
+        for r in table.rows:  # rows of this call, and rows finished by earlier calls (--rows)
+            done = results.get(r.slug) or finished(r.slug)
+            if done is not None:
+                record["rows"].append({**done, "label": r.label, "paper": r.paper})
+        _write(folder / "table.json", record)
+        with writing(folder / "table.md") as path:
+            path.write_text(markdown(record, table.columns))
+        return record
 
 
 def _run_row(
@@ -445,10 +449,10 @@ def _cuda() -> bool:
 
 
 def _write(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2))
-    tmp.replace(path)
+    with writing(path):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        tmp.replace(path)
 
 
 def _fmt(value: float | None) -> str:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw
 from torch import Tensor
 
+from obow.files import writing
 from obow.show.words import view_pixels
 
 MATCH, MISMATCH = (30, 170, 60), (210, 40, 40)
@@ -63,8 +64,8 @@ def write_neighbour_grid(
         for start, key in zip(starts[1:], ("learned", "random"), strict=True):
             for j, (pixels, match) in enumerate(row[key]):
                 paste(pixels, start + j * cell, y, MATCH if match else MISMATCH)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
+    with writing(path):
+        image.save(path)
     return image
 
 

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from obow.files import writing
+
 
 @dataclass
 class RunLog:
@@ -139,7 +141,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
     fig.suptitle(f"obow runs: {names}" if len(runs) > 1 else f"obow run: {names}")
     fig.tight_layout()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    with writing(out):
+        fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from obow.bow.targets import flatten_locations, remove_border, soft_assignment, squared_distances
 from obow.data.folders import EpochSampler, ImageDataset, build_loader
+from obow.files import make_folder, writing
 
 #: Patches kept per word (the official visualisation also shows 8).
 TOP = 8
@@ -285,20 +286,21 @@ def write_grid(
         for j, patch in enumerate(patches[word]):
             resized = Image.fromarray(patch["pixels"]).resize((tile, tile), Image.Resampling.BICUBIC)
             grid.paste(resized, (label_width + j * (tile + gap), y))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
+    with writing(path):
+        grid.save(path)
     return grid
 
 
 def write_html(patches: dict[int, list[dict[str, Any]]], usage: Tensor, out: Path, title: str, tile: int = 64) -> Path:
     """``out/index.html`` and ``out/patches/word<k>_<j>.png`` (each patch at its own size in the view)."""
-    (out / "patches").mkdir(parents=True, exist_ok=True)
+    make_folder(out / "patches")
     sections = []
     for word, items in patches.items():
         figures = []
         for j, patch in enumerate(items):
             name = f"patches/word{word}_{j}.png"
-            Image.fromarray(patch["pixels"]).save(out / name)
+            with writing(out / name):
+                Image.fromarray(patch["pixels"]).save(out / name)
             top, left, bottom, right = patch["box"]
             caption = (
                 f"{Path(patch['path']).name}, location ({patch['row']}, {patch['col']}), "
@@ -321,8 +323,8 @@ def write_html(patches: dict[int, list[dict[str, Any]]], usage: Tensor, out: Pat
         + "\n".join(sections)
         + "\n</body></html>\n"
     )
-    path = out / "index.html"
-    path.write_text(page)
+    with writing(out / "index.html") as path:
+        path.write_text(page)
     return path
 
 

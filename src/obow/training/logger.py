@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from obow.config import Config
+from obow.files import writing
 
 log = logging.getLogger("obow")
 
@@ -22,19 +23,25 @@ class RunLogger:
     def __init__(self, out: Path, cfg: Config, enabled: bool) -> None:
         self.enabled = enabled
         self.cfg = cfg
-        self.jsonl = open(out / "log.jsonl", "a") if enabled else None  # noqa: SIM115 - closed in close()
+        self.jsonl_path = out / "log.jsonl"
+        self.jsonl = None
+        if enabled:
+            with writing(self.jsonl_path):
+                self.jsonl = open(self.jsonl_path, "a")  # noqa: SIM115 - closed in close()
         self.tb = None
         if enabled and cfg.train.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(out / "tensorboard"))
+            with writing(out / "tensorboard"):
+                self.tb = SummaryWriter(str(out / "tensorboard"))
         self.last_time = time.time()
         self.last_iteration: int | None = None
 
     def write(self, record: dict[str, Any]) -> None:
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps(record) + "\n")
-            self.jsonl.flush()
+            with writing(self.jsonl_path):
+                self.jsonl.write(json.dumps(record) + "\n")
+                self.jsonl.flush()
 
     def step(self, epoch: int, iteration: int, lr: float, metrics: dict[str, float], skipped: int, batch: int) -> None:
         if not self.enabled:

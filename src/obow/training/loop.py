@@ -1,11 +1,16 @@
 """``obow pretrain``: the training loop, readable top to bottom.
 
-:func:`pretrain` sets up the run (processes, device, data, method, optimiser), resumes it from
-``<out>/checkpoint.pt`` when there is one (:mod:`obow.training.state`), then calls :func:`train_one_epoch`
-until the recipe's epochs are done, writing a checkpoint at every epoch end (and every
-``train.checkpoint_every`` iterations), and on Ctrl-C or SIGTERM. One step (:func:`train_step`): the learning
-rate of the iteration, the method's forward pass (for OBoW: teacher EMA, BoW targets, vocabulary update,
-student loss; see :mod:`obow.methods.base` for the contract every method meets), backward, SGD step.
+:func:`pretrain` sets up the run (processes, device, data, method, optimiser), takes the run folder's lock
+(:mod:`obow.training.lock`: one writer at a time), resumes from ``<out>/checkpoint.pt`` when there is one
+(:mod:`obow.training.state`), then calls :func:`train_one_epoch` until the recipe's epochs are done. One step
+(:func:`train_step`): the learning rate of the iteration, the method's forward pass (for OBoW: teacher EMA,
+BoW targets, vocabulary update, student loss; see :mod:`obow.methods.base` for the contract every method
+meets), backward, SGD step.
+
+Checkpoints are written only between two steps (:class:`StepBoundary`), so that each one is a state an
+uninterrupted run also passes through: at every epoch end, every ``train.checkpoint_every`` steps, every
+``train.checkpoint_minutes`` of training (so that a hard kill loses at most that much), and after SIGINT or
+SIGTERM, which let the step under way finish, write the checkpoint and stop (:class:`Interrupted`).
 
 Files in ``<out>``: see :mod:`obow.training.state`; logs: :mod:`obow.training.logger`.
 """
@@ -20,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,15 +37,18 @@ from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loade
 from obow.methods import build_method, build_views
 from obow.methods.base import Method
 from obow.schedules import learning_rate
+from obow.training.lock import RunLock
 from obow.training.logger import RunLogger
 from obow.training.state import (
     Interrupted,
     RunError,
     RunState,
+    SignalFlag,
     handle_signals,
     open_run,
     restore,
     save_run,
+    seed_run,
 )
 
 __all__ = ["EPOCH_MEANS", "Interrupted", "RunError", "pretrain", "train_one_epoch", "train_step"]
@@ -67,6 +75,31 @@ class Monitor(Protocol):
 MonitorFactory = Callable[[Config, ImageList, torch.device], Monitor]
 
 
+class Decision(NamedTuple):
+    stop: bool  # a signal was received (by any process)
+    save: bool  # train.checkpoint_minutes have passed since the last checkpoint
+
+
+class StepBoundary:
+    """What happens between two steps, decided alike on every process (one small all-reduce when distributed):
+    stop after SIGINT / SIGTERM, received by any process; save when ``train.checkpoint_minutes`` have passed
+    since the last checkpoint, by the main process's clock."""
+
+    def __init__(self, signals: SignalFlag, minutes: float, device: torch.device) -> None:
+        self.signals = signals
+        self.seconds = minutes * 60
+        self.device = device
+        self.last_save = time.monotonic()
+
+    def check(self) -> Decision:
+        due = bool(self.seconds) and D.is_main_process() and time.monotonic() - self.last_save >= self.seconds
+        stop, save = D.agree_any([self.signals.received is not None, due], self.device)
+        return Decision(stop, save)
+
+    def saved(self) -> None:
+        self.last_save = time.monotonic()
+
+
 @dataclass
 class Run:
     """The parts of a run in progress that every step uses."""
@@ -82,9 +115,12 @@ class Run:
     loader: torch.utils.data.DataLoader
     iters_per_epoch: int
     logger: RunLogger
+    boundary: StepBoundary
 
-    def save(self, state: RunState, every_process: bool = True) -> None:
-        save_run(self.out, self.cfg, self.model, self.optimizer, self.scaler, state, every_process)
+    def save(self, state: RunState) -> None:
+        """The checkpoint of ``state``; every process calls it at the same step boundary."""
+        save_run(self.out, self.cfg, self.model, self.optimizer, self.scaler, state)
+        self.boundary.saved()
 
 
 def pretrain(cfg: Config, out_dir: str | Path, *, monitor: MonitorFactory | None = None) -> dict[str, Any]:
@@ -92,69 +128,107 @@ def pretrain(cfg: Config, out_dir: str | Path, *, monitor: MonitorFactory | None
 
     ``monitor`` builds what measures the student between epochs on the main process (the ``obow`` command
     passes :class:`obow.evaluate.monitor.KNNMonitor`, which ``train.knn_every`` configures). Returns a
-    summary: epochs done, iterations, the last epoch's mean loss, and where the checkpoint is.
+    summary: epochs done, iterations, the last epoch's mean loss, and where the checkpoint is. Raises
+    :class:`Interrupted` after SIGINT / SIGTERM, once the checkpoint of the last finished step is written.
     """
     out = Path(out_dir)
     device = setup_process(cfg)
     if cfg.data.path is None:
         raise RunError("no training images: set data.path (obow pretrain --data DIR)")
-    ckpt = open_run(cfg, out)
-    images, sampler, loader = build_data(cfg, device)
-    iters_per_epoch = len(images) // cfg.data.batch_size
-    model = build_model(cfg, iters_per_epoch * cfg.optim.epochs, device)
-    optimizer = build_optimizer(model, cfg)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
-    if ckpt is not None:
-        state = restore(ckpt, model, optimizer, scaler, iters_per_epoch)
-        log_main(
-            "Resuming %s from epoch %d, batch %d (iteration %d of %d)",
-            out / "checkpoint.pt",
-            state.epoch + 1,
-            state.batch_in_epoch,
-            state.iteration,
-            iters_per_epoch * cfg.optim.epochs,
-        )
-    else:
-        model.prepare(images, cfg, device)  # e.g. BoWNet's offline k-means, once, before the first step
-        torch.manual_seed(cfg.train.seed + D.rank())  # runtime randomness (queue sampling) differs per process
-        state = RunState()
-        log_main("New run in %s: %d images, %d iterations per epoch", out, len(images), iters_per_epoch)
-    if state.epoch >= cfg.optim.epochs:
-        log_main("The run in %s is already complete (%d epochs); nothing to do", out, state.epoch)
-        return summary(out, state)
+    with RunLock(out, device=device):  # one writer per run folder, from here to the end
+        ckpt = open_run(cfg, out)
+        images, sampler, loader = build_data(cfg, device)
+        iters_per_epoch = len(images) // cfg.data.batch_size
+        total_iters = iters_per_epoch * cfg.optim.epochs
+        model = build_model(cfg, total_iters, device)
+        optimizer = build_optimizer(model, cfg)
+        scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
+        if ckpt is not None:
+            state = restore(ckpt, model, optimizer, scaler, iters_per_epoch)
+            log_main(
+                "Resuming %s from iteration %d of %d (epoch %d, batch %d of %d)",
+                out,
+                state.iteration,
+                total_iters,
+                state.epoch + 1,
+                state.batch_in_epoch,
+                iters_per_epoch,
+            )
+        else:
+            model.prepare(images, cfg, device)  # e.g. BoWNet's offline k-means, once, before the first step
+            seed_run(cfg.train.seed + D.rank())  # runtime randomness (queue sampling) differs per process
+            state = RunState()
+            log_main(
+                "New run in %s (no checkpoint there): %d images, %d iterations per epoch",
+                out,
+                len(images),
+                iters_per_epoch,
+            )
+        if state.epoch >= cfg.optim.epochs:
+            log_main("The run in %s is already complete (%d epochs); nothing to do", out, state.epoch)
+            return summary(out, state)
 
-    step_model = prepare_step_model(model, cfg, device)
-    logger = RunLogger(out, cfg, enabled=D.is_main_process())
-    run = Run(cfg, out, device, model, step_model, optimizer, scaler, sampler, loader, iters_per_epoch, logger)
-    epoch_monitor = make_monitor(monitor, cfg, images, device)
-    model.train()
-    with handle_signals():
-        try:
-            while state.epoch < cfg.optim.epochs:
-                record = train_one_epoch(run, state)
-                if epoch_monitor is not None and epoch_monitor.due(state.epoch + 1):
-                    record.update(epoch_monitor(model.student))
-                if D.is_distributed():
-                    dist.barrier()  # the other processes wait for the main one's monitor
-                state.end_epoch(record)
-                logger.epoch(record)
-                run.save(state)
-        except Interrupted:
-            run.save(state, every_process=False)
-            log_main("Interrupted: checkpoint written at iteration %d; run the same command to resume", state.iteration)
-            raise
-        finally:
-            logger.close()
+        step_model = prepare_step_model(model, cfg, device)
+        logger = RunLogger(out, cfg, enabled=D.is_main_process())
+        epoch_monitor = make_monitor(monitor, cfg, images, device)
+        model.train()
+        with handle_signals(announce=D.is_main_process()) as signals:
+            boundary = StepBoundary(signals, cfg.train.checkpoint_minutes, device)
+            run = Run(
+                cfg,
+                out,
+                device,
+                model,
+                step_model,
+                optimizer,
+                scaler,
+                sampler,
+                loader,
+                iters_per_epoch,
+                logger,
+                boundary,
+            )
+            try:
+                train_epochs(run, state, epoch_monitor)
+            except Interrupted:
+                log_main(
+                    "Interrupted: checkpoint written at iteration %d (epoch %d, batch %d); run the same command "
+                    "to resume",
+                    state.iteration,
+                    state.epoch + 1,
+                    state.batch_in_epoch,
+                )
+                raise
+            finally:
+                logger.close()
     return summary(out, state)
+
+
+def train_epochs(run: Run, state: RunState, epoch_monitor: Monitor | None) -> None:
+    """The remaining epochs, each ended by its record (plus the monitor's numbers when due) and a checkpoint;
+    :class:`Interrupted` at the first step boundary after a signal."""
+    while state.epoch < run.cfg.optim.epochs:
+        record = train_one_epoch(run, state)
+        if epoch_monitor is not None and epoch_monitor.due(state.epoch + 1):
+            record.update(epoch_monitor(run.model.student))
+        if D.is_distributed():
+            dist.barrier()  # the other processes wait for the main one's monitor
+        state.end_epoch(record)
+        run.logger.epoch(record)
+        run.save(state)
+        if state.epoch < run.cfg.optim.epochs and run.boundary.check().stop:  # a signal during the epoch's end
+            raise Interrupted(run.boundary.signals.received)
 
 
 def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
     """The rest of epoch ``state.epoch`` (from batch ``state.batch_in_epoch``); returns its record: mean loss
-    and diagnostics over its steps (averaged across processes), time, skipped images."""
+    and diagnostics over all its steps, those before a resumption included (averaged across processes), time,
+    skipped images. Between two steps, :func:`step_boundary`."""
     cfg, epoch = run.cfg, state.epoch
     run.sampler.set_epoch(epoch, state.batch_in_epoch)
-    started, steps = time.time(), 0
-    sums = {key: torch.zeros((), device=run.device) for key in EPOCH_MEANS}
+    state.segment_start = time.time()
+    # running sums on the device (no synchronisation per step), carried over from the checkpoint when resuming
+    state.epoch_sums = {key: torch.tensor(state.epoch_sums.get(key, 0.0), device=run.device) for key in EPOCH_MEANS}
     total_iters = run.iters_per_epoch * cfg.optim.epochs
     progress = run.logger.progress(epoch, state.batch_in_epoch, run.iters_per_epoch, total_iters, state.iteration)
     for batch in run.loader:
@@ -170,8 +244,8 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
         metrics = train_step(run, batch["image"], lr)
         state.iteration += 1
         state.batch_in_epoch += 1
-        steps += 1
-        for key, total in sums.items():
+        state.epoch_steps += 1
+        for key, total in state.epoch_sums.items():
             total += metrics.get(key, 0.0)
         note_skipped(state, batch["skipped"])
         if state.iteration % cfg.train.log_every == 0 or state.batch_in_epoch == run.iters_per_epoch:
@@ -183,17 +257,29 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
                 )
             run.logger.step(epoch, state.iteration, lr, values, len(state.skipped), cfg.data.batch_size)
         progress.update(cfg.data.batch_size, metrics, lr)
-        if cfg.train.checkpoint_every and state.iteration % cfg.train.checkpoint_every == 0:
-            run.save(state)
+        if state.batch_in_epoch < run.iters_per_epoch:  # the epoch's end has its own checkpoint and check
+            step_boundary(run, state)
     progress.close()
-    means = {key: float(D.all_reduce_mean(total / max(steps, 1))) for key, total in sums.items()}
+    steps = max(state.epoch_steps, 1)
+    means = {key: float(D.all_reduce_mean(total / steps)) for key, total in state.epoch_sums.items()}
     return {
         "epoch": epoch + 1,
         "iteration": state.iteration,
         **{name: means[key] for key, name in EPOCH_MEANS.items()},
-        "epoch_time_s": time.time() - started,
+        "epoch_time_s": state.epoch_time(),
         "skipped_images": len(state.skipped),
     }
+
+
+def step_boundary(run: Run, state: RunState) -> None:
+    """Between two steps of an epoch: write a checkpoint when one is due (``train.checkpoint_every`` steps,
+    ``train.checkpoint_minutes``, or a signal), then stop after a signal."""
+    decision = run.boundary.check()
+    every = run.cfg.train.checkpoint_every and state.iteration % run.cfg.train.checkpoint_every == 0
+    if decision.stop or decision.save or every:
+        run.save(state)
+    if decision.stop:
+        raise Interrupted(run.boundary.signals.received)
 
 
 def train_step(run: Run, views: dict[str, torch.Tensor], lr: float) -> dict[str, torch.Tensor]:

@@ -2,10 +2,14 @@
 
 A run lives in one folder (``--out``): ``config.yaml`` (the resolved recipe), ``checkpoint.pt`` (the latest
 state, :mod:`obow.weights.checkpoint`'s format), ``checkpoints/epoch_NNNN.pt`` (permanent copies every
-``train.keep_every`` epochs), ``log.jsonl`` and ``tensorboard/``. A checkpoint holds everything needed to
-continue exactly where the run stopped: the method's and the optimiser's state, the position in the epoch
-(:class:`RunState`) and every process's random state. Resuming refuses a recipe whose run-defining settings
-differ from the checkpoint's (:func:`check_same_run`); only :data:`RESUMABLE_CHANGES` may change.
+``train.keep_every`` epochs), ``log.jsonl``, ``tensorboard/`` and ``.obow.lock`` (:mod:`obow.training.lock`:
+one writer at a time). A checkpoint holds everything needed to continue exactly where the run stopped: the
+method's and the optimiser's state, the position in the epoch (:class:`RunState`), every process's random
+state and running sums of the epoch under way. It is written at step boundaries only (epoch ends, every
+``train.checkpoint_every`` steps, every ``train.checkpoint_minutes``, and after SIGINT / SIGTERM, which
+:func:`handle_signals` turns into a request the loop honours when the step under way is done). Resuming
+refuses a recipe whose run-defining settings differ from the checkpoint's (:func:`check_same_run`); only
+:data:`RESUMABLE_CHANGES` may change.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import logging
 import random
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +32,7 @@ from torch import nn
 
 from obow import distributed as D
 from obow.config import Config, from_dict, save_config, to_dict
+from obow.files import make_folder, writing
 from obow.weights.checkpoint import build_checkpoint, load_checkpoint, save_atomic
 
 log = logging.getLogger("obow")
@@ -41,6 +47,7 @@ RESUMABLE_CHANGES = {
     "train.compile",
     "train.log_every",
     "train.checkpoint_every",
+    "train.checkpoint_minutes",
     "train.keep_every",
     "train.knn_every",
     "train.knn_k",
@@ -55,24 +62,42 @@ class RunError(RuntimeError):
 
 
 class Interrupted(Exception):
-    """Raised in the training loop by SIGINT / SIGTERM, after which a checkpoint is written."""
+    """Raised by the training loop at the step boundary after SIGINT / SIGTERM, once the checkpoint is written.
+
+    ``signal`` names the signal (``None`` on a process that only learnt of it from another one)."""
+
+    def __init__(self, signal_name: str | None) -> None:
+        super().__init__(signal_name or "a signal received by another process")
+        self.signal = signal_name
 
 
 @dataclass
 class RunState:
     """Where a run stands: ``epoch`` epochs done, ``batch_in_epoch`` batches into the next one, ``iteration``
-    optimiser steps in all; the per-epoch records and the unreadable images met so far."""
+    optimiser steps in all; the per-epoch records and the unreadable images met so far; and this process's
+    share of the epoch under way: the running ``epoch_sums`` of the step metrics averaged in its record (over
+    ``epoch_steps`` steps) and the ``epoch_seconds`` spent in it before :attr:`segment_start`."""
 
     epoch: int = 0
     batch_in_epoch: int = 0
     iteration: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     skipped: set[str] = field(default_factory=set)
+    epoch_sums: dict[str, Any] = field(default_factory=dict)
+    epoch_steps: int = 0
+    epoch_seconds: float = 0.0
+    segment_start: float = field(default_factory=time.time)
+
+    def epoch_time(self) -> float:
+        """Seconds spent in the epoch under way, across resumptions (the time between them not counted)."""
+        return self.epoch_seconds + time.time() - self.segment_start
 
     def end_epoch(self, record: dict[str, Any]) -> None:
         self.history.append(record)
         self.epoch += 1
         self.batch_in_epoch = 0
+        self.epoch_sums, self.epoch_steps, self.epoch_seconds = {}, 0, 0.0
+        self.segment_start = time.time()
 
 
 def open_run(cfg: Config, out: Path) -> dict[str, Any] | None:
@@ -89,9 +114,9 @@ def open_run(cfg: Config, out: Path) -> dict[str, Any] | None:
                 "evaluated and exported, not resumed; use another --out for a new run"
             )
     if D.is_main_process():
-        out.mkdir(parents=True, exist_ok=True)
+        make_folder(out)
         save_config(cfg, out / "config.yaml")
-        for stale in out.glob(".checkpoint.pt.*.tmp"):
+        for stale in [*out.glob(".checkpoint.pt.*.tmp"), *out.glob("checkpoints/.epoch_*.pt.*.tmp")]:
             stale.unlink()
         if ckpt is not None:
             truncate_log(out / "log.jsonl", ckpt["iteration"])
@@ -105,13 +130,14 @@ def restore(
     scaler: torch.amp.GradScaler,
     iters_per_epoch: int,
 ) -> RunState:
-    """Load ``ckpt`` into the model, optimiser, gradient scaler and this process's random generators."""
+    """Load ``ckpt`` into the model, optimiser, gradient scaler and this process's random generators; return
+    where the run stands, with this process's sums of the epoch under way."""
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     if "scaler" in ckpt:
         scaler.load_state_dict(ckpt["scaler"])
-    states = ckpt["rng"]
-    set_rng_state(states[D.rank()] if len(states) == D.world_size() else states[0])
+    set_rng_state(this_process(ckpt["rng"]))
+    progress = ckpt.get("epoch_progress") or {}  # absent from version-1 checkpoints, which had none
     epoch, batch = ckpt["epoch"], ckpt["batch_in_epoch"]
     return RunState(
         epoch=epoch,
@@ -119,7 +145,25 @@ def restore(
         iteration=epoch * iters_per_epoch + batch,
         history=ckpt.get("history", []),
         skipped=set(ckpt.get("skipped_images", [])),
+        epoch_sums=this_process_sums(progress.get("sums", [])),
+        epoch_steps=progress.get("steps", 0),
+        epoch_seconds=progress.get("seconds", 0.0),
     )
+
+
+def this_process(per_process: list[Any]) -> Any:
+    """This process's entry of a per-process list (the first one when the number of processes changed)."""
+    return per_process[D.rank()] if len(per_process) == D.world_size() else per_process[0]
+
+
+def this_process_sums(per_process: list[dict[str, float]]) -> dict[str, float]:
+    """This process's running sums; with another number of processes than when saved, the mean over the saved
+    ones (the epoch's mean, a mean over processes of sum / steps, is then unchanged up to rounding)."""
+    if not per_process:
+        return {}
+    if len(per_process) == D.world_size():
+        return dict(per_process[D.rank()])
+    return {key: sum(p[key] for p in per_process) / len(per_process) for key in per_process[0]}
 
 
 def save_run(
@@ -129,15 +173,14 @@ def save_run(
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
     state: RunState,
-    every_process: bool = True,
 ) -> None:
     """Write ``out/checkpoint.pt`` (atomically), and a permanent copy at every ``train.keep_every``-th epoch end.
 
-    Every process's random state is kept (they differ: queue sampling), when all of them are here to send it
-    (``every_process``); an interruption saves the main process's only, so such a resume is exact on one
-    process. Only the main process writes.
+    Every process calls it at the same step boundary: the processes' random states and epoch sums differ
+    (queue sampling, their share of the batch) and are all kept. Only the main process writes.
     """
-    rng = gather_rng_states() if every_process else [get_rng_state()]
+    mine = {"rng": get_rng_state(), "sums": {key: float(value) for key, value in state.epoch_sums.items()}}
+    everyone = gather(mine)
     if not D.is_main_process():
         return
     ckpt = build_checkpoint(
@@ -148,7 +191,12 @@ def save_run(
         batch_in_epoch=state.batch_in_epoch,
         optimizer=optimizer.state_dict(),
         scaler=scaler.state_dict(),
-        rng=rng,
+        rng=[p["rng"] for p in everyone],
+        epoch_progress={
+            "steps": state.epoch_steps,
+            "seconds": state.epoch_time(),
+            "sums": [p["sums"] for p in everyone],
+        },
         skipped_images=sorted(state.skipped),
         history=state.history,
     )
@@ -198,50 +246,102 @@ def truncate_log(path: Path, iteration: int) -> None:
             continue
         if record.get("iteration", 0) <= iteration:
             kept.append(line)
-    path.write_text("".join(f"{line}\n" for line in kept))
+    with writing(path.with_name(f".{path.name}.tmp")) as tmp:  # a kill while rewriting keeps the old log
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        tmp.replace(path)
+
+
+def seed_run(seed: int) -> None:
+    """Seed every generator a run may draw from (Python's, NumPy's global one, torch's): the checkpoint keeps
+    all of them, so that a resumed run continues the streams an uninterrupted one would have."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def get_rng_state() -> dict[str, Any]:
+    """This process's random states as tensors and plain values (a weights-only load reads them back)."""
+    name, key, pos, has_gauss, cached_gaussian = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "bit_generator": name,
+            "key": torch.from_numpy(key.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
 
 
-def gather_rng_states() -> list[dict[str, Any]]:
-    """The random states of every process, in rank order (on every process)."""
-    state = get_rng_state()
+def gather(obj: Any) -> list[Any]:
+    """``obj`` of every process, in rank order (on every process)."""
     if not D.is_distributed():
-        return [state]
-    states: list[Any] = [None] * D.world_size()
-    dist.all_gather_object(states, state)
-    return states
+        return [obj]
+    everyone: list[Any] = [None] * D.world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`get_rng_state`'s states (or a version-1 checkpoint's, whose NumPy state is a tuple)."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        numpy_state = (
+            numpy_state["bit_generator"],
+            numpy_state["key"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if state.get("cuda") and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-@contextlib.contextmanager
-def handle_signals() -> Iterator[None]:
-    """Turn SIGINT and SIGTERM into :class:`Interrupted` so the loop can write a checkpoint first."""
+#: Signals this close after the first count as the same request: a terminal's Ctrl-C reaches ``torchrun`` and
+#: its workers, and ``torchrun`` passes it on to them, so each worker receives it twice at once.
+SAME_REQUEST_SECONDS = 1.0
 
-    def raise_interrupted(signum: int, frame: Any) -> None:
-        raise Interrupted(signal.Signals(signum).name)
+
+class SignalFlag:
+    """The first SIGINT / SIGTERM received by this process (:attr:`received`: its name, or ``None``) and when
+    (:attr:`at`, ``time.monotonic()``)."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self.at = 0.0
+
+
+@contextlib.contextmanager
+def handle_signals(announce: bool = True) -> Iterator[SignalFlag]:
+    """Note the first SIGINT or SIGTERM in the flag this yields, so that the loop finishes the step under way,
+    writes a checkpoint at the step boundary and stops (:class:`Interrupted`). Another signal, later than
+    :data:`SAME_REQUEST_SECONDS` after the first, aborts at once with ``KeyboardInterrupt``: a checkpoint being
+    written is then dropped and the previous one stays whole. ``announce`` logs what the first signal does
+    (the main process)."""
+    flag = SignalFlag()
+
+    def note(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if flag.received is None:
+            flag.received, flag.at = name, time.monotonic()
+            if announce:
+                log.warning("%s: finishing the step under way, then writing a checkpoint (again to abort)", name)
+        elif time.monotonic() - flag.at > SAME_REQUEST_SECONDS:
+            raise KeyboardInterrupt(name)
 
     try:
-        previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # not the main thread: leave signals alone
-        yield
+        yield flag
         return
     try:
-        yield
+        yield flag
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -1,10 +1,11 @@
 """Checkpoint files: written atomically, read back with a clear error when they are not ours.
 
-A pretraining checkpoint is a ``torch.save`` dictionary:
+A pretraining checkpoint is a ``torch.save`` dictionary of tensors and plain values only, so that
+``torch.load(path, weights_only=True)`` reads it (and every other file obow writes):
 
 =================  ==========================================================================================
 ``format``         ``"obow-checkpoint"``
-``version``        1
+``version``        2 (1: before the random states were stored as tensors; still read)
 ``config``         the resolved recipe (:func:`obow.config.to_dict`), so the run can be rebuilt
 ``model``          the method's ``state_dict``; for :class:`~obow.methods.obow.OBoW`: ``student.*`` and
                    ``teacher.*`` (torchvision ResNet names), ``extractors.<level>.*`` (vocabulary and
@@ -13,6 +14,9 @@ A pretraining checkpoint is a ``torch.save`` dictionary:
 ``epoch``          completed epochs; ``batch_in_epoch``: batches done in the epoch under way (0 at epoch ends)
 ``iteration``      optimiser steps done
 ``rng``            random states (Python, NumPy, torch CPU and CUDA), one per process in rank order
+``epoch_progress`` the epoch under way: ``steps`` summed, ``seconds`` spent, and ``sums`` of the step metrics
+                   averaged in the epoch record, one per process in rank order (so that a resumed epoch's
+                   record equals an uninterrupted one's)
 ``skipped_images`` unreadable files met so far
 ``history``        per-epoch summaries
 ``scaler``         the fp16 gradient scaler's state
@@ -26,49 +30,126 @@ Only ``format``, ``version``, ``config`` and ``model`` are needed to evaluate or
 from __future__ import annotations
 
 import os
+import pickle
+import re
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from obow.files import as_write_error, sync_folder, writing
+
 FORMAT = "obow-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: random states as tensors and plain values (weights_only loads), the epoch in progress
+
+#: What a weights-only load must also accept to read the NumPy arrays in version-1 checkpoints' random states:
+#: the array constructor under the names NumPy 1 and NumPy 2 pickle it with, the array and dtype classes.
+_RECONSTRUCT = np.empty(0).__reduce__()[0]
+NUMPY_GLOBALS = [
+    (_RECONSTRUCT, "numpy.core.multiarray._reconstruct"),
+    (_RECONSTRUCT, "numpy._core.multiarray._reconstruct"),
+    np.ndarray,
+    np.dtype,
+    type(np.dtype(np.uint32)),
+]
 
 
 def save_atomic(obj: Any, path: str | Path) -> None:
     """``torch.save`` to a temporary file in the same folder, then rename it over ``path``.
 
-    A crash or a kill during the write leaves the previous file intact.
+    The previous file stays whole until the new one is complete: a crash, a kill, a second Ctrl-C or a failed
+    write (full disk, file size limit) during the write leaves it intact and removes the temporary file. A
+    failed write raises :class:`~obow.files.WriteError` (one line: the file and the cause).
     """
+    with writing(path) as path:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as err:
+            # judged before the partial file is removed: it is what filled the disk
+            failure = as_write_error(path, err) if isinstance(err, (OSError, RuntimeError)) else None
+            Path(tmp).unlink(missing_ok=True)
+            if failure is not None and failure is not err:
+                raise failure from err
+            raise
+    sync_folder(path.parent)
+
+
+def read_torch_file(
+    path: str | Path, what: str, *, numpy_arrays: bool = False, map_location: str | torch.device = "cpu"
+) -> Any:
+    """``torch.load(path, weights_only=True)``, or a one-line ``ValueError`` saying what ``path``
+    is not: missing, empty, not a PyTorch file, damaged, or holding Python objects that a weights-only load
+    refuses (such files can run code when read; obow writes none). ``numpy_arrays`` also accepts NumPy
+    arrays, which version-1 checkpoints hold in their random states."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    if not path.is_file():
+        raise ValueError(f"{what} {str(path)!r} does not exist")
+    allowed = NUMPY_GLOBALS if numpy_arrays else []
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with warnings.catch_warnings(), torch.serialization.safe_globals(allowed):
+            warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": the error below says it better
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file gets one line saying why
+        raise ValueError(f"cannot read {what} {str(path)!r}: {why_unreadable(path, err)}") from None
+
+
+def why_unreadable(path: Path, err: Exception) -> str:
+    """What is wrong with a file ``torch.load`` refused, in a few words (PyTorch's own message is paragraphs)."""
+    text = str(err)
+    if path.stat().st_size == 0:
+        return "the file is empty"
+    if isinstance(err, pickle.UnpicklingError):
+        found = re.search(r"GLOBAL ([\w.]+)", text) or re.search(r"but got <class '([\w.]+)'>", text)
+        what = f" ({found.group(1)})" if found else ""
+        return (
+            f"it holds Python objects{what} besides tensors and plain values, which obow does not load (they "
+            "can run code when read); it was not written by obow or torch.save of a state_dict"
+        )
+    if isinstance(err, PermissionError):
+        return err.strerror or text
+    if "PytorchStreamReader" in text or isinstance(err, (OSError, EOFError)):  # reading past a cut-short file
+        first = text.split(". ")[0].strip() if text else type(err).__name__
+        return f"the file is damaged or cut short ({err.strerror if isinstance(err, OSError) else first})"
+    return f"it is not a file written by torch.save ({type(err).__name__}: {text.splitlines()[0] if text else ''})"
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a pretraining checkpoint written by ``obow pretrain``; raise ``ValueError`` for anything else."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"checkpoint {str(path)!r} does not exist")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same clear message
-        raise ValueError(f"cannot read checkpoint {str(path)!r}: {err}") from None
+    """Read a pretraining checkpoint written by ``obow pretrain`` or ``obow import-official``; raise a one-line
+    ``ValueError`` for anything else, saying what the file is when it is something obow knows."""
+    ckpt = read_torch_file(path, "checkpoint", numpy_arrays=True, map_location=map_location)
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-        raise ValueError(f"{str(path)!r} is not an obow pretraining checkpoint (no format={FORMAT!r} entry)")
+        raise ValueError(f"{str(path)!r} is not an obow pretraining checkpoint: {describe(ckpt)}")
     if ckpt.get("version", 0) > VERSION:
         raise ValueError(f"{str(path)!r} has checkpoint version {ckpt['version']}; this obow reads up to {VERSION}")
     return ckpt
+
+
+def describe(obj: Any) -> str:
+    """What a loaded file holds, for an error message about a file that is not what was asked for."""
+    if isinstance(obj, dict):
+        if obj.get("format") == FORMAT:
+            return "it is already an obow pretraining checkpoint (obow eval, export and show read it as it is)"
+        if "network" in obj and isinstance(obj["network"], dict):
+            return (
+                "it looks like a checkpoint of the authors' code (a 'network' entry): convert it with obow "
+                "import-official"
+            )
+        if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+            return (
+                f"it holds a state_dict of {len(obj)} tensors (a backbone written by obow export, or another "
+                "library's weights; obow eval takes one with --backbone)"
+            )
+        keys = ", ".join(map(repr, list(obj)[:5]))
+        return f"it holds a dictionary with the entries {keys}{' ...' if len(obj) > 5 else ''}"
+    return f"it holds a {type(obj).__name__}, not a dictionary"
 
 
 def build_checkpoint(
@@ -81,6 +162,7 @@ def build_checkpoint(
     optimizer: dict[str, Any] | None = None,
     scaler: dict[str, Any] | None = None,
     rng: list[dict[str, Any]] | None = None,
+    epoch_progress: dict[str, Any] | None = None,
     skipped_images: list[str] | None = None,
     history: list[dict[str, Any]] | None = None,
     **extra: Any,
@@ -102,6 +184,7 @@ def build_checkpoint(
             optimizer=optimizer,
             batch_in_epoch=batch_in_epoch,
             rng=rng if rng is not None else [],
+            epoch_progress=epoch_progress or {"steps": 0, "seconds": 0.0, "sums": []},
             skipped_images=list(skipped_images or []),
             history=list(history or []),
         )

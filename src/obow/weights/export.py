@@ -38,6 +38,7 @@ from torch import Tensor
 from obow import __version__
 from obow.backbones import ResNetBackbone, parse_arch
 from obow.checks import check_choice
+from obow.files import writing
 from obow.weights.checkpoint import save_atomic
 from obow.weights.load import load_backbone
 
@@ -137,8 +138,7 @@ def export_backbone(
         meta["fc"] = FC_NOTE
         meta["usage"] = f"model = torchvision.models.{backbone.arch}(); model.load_state_dict(torch.load(path))"
     else:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(out_path, "wb") as f:
+        with writing(out_path), open(out_path, "wb") as f:
             pickle.dump(detectron2_checkpoint(backbone.state_dict()), f)
         meta["fc"] = "not exported (Detectron2 builds its own heads)"
         meta["detectron2_config"] = detectron2_config(backbone.arch, info["views"])
@@ -146,7 +146,8 @@ def export_backbone(
     if note:
         meta["stem_note"] = note
         warnings.warn(note, stacklevel=2)
-    Path(f"{out_path}.json").write_text(json.dumps(meta, indent=2) + "\n")
+    with writing(f"{out_path}.json") as sidecar:
+        sidecar.write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
 

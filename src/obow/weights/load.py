@@ -24,7 +24,7 @@ from obow.backbones import STEMS, ResNetBackbone, build_backbone, parse_arch
 from obow.checks import check_choice
 from obow.config import Config, from_dict
 from obow.data.eval_sets import views_dict
-from obow.weights.checkpoint import load_checkpoint
+from obow.weights.checkpoint import describe, load_checkpoint, read_torch_file
 
 NETWORKS = ("student", "teacher")
 
@@ -128,17 +128,17 @@ def _check_expected(arch: str | None, stem: str | None, found_arch: str, found_s
 
 def _load_exported(path: Path, arch: str | None, stem: str | None) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Read an ``obow export --format torchvision`` file (or a torchvision ResNet ``state_dict``)."""
-    if not path.is_file():
-        raise ValueError(f"backbone file {str(path)!r} does not exist")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same clear message
+        state = read_torch_file(path, "backbone file")
+    except ValueError as err:
         raise ValueError(
-            f"cannot read backbone file {str(path)!r} as a torch state_dict ({err}); give a file written by "
-            "`obow export --format torchvision` (a detectron2 export is for Detectron2 only)"
+            f"{err}; give a file written by obow export --format torchvision or timm (a detectron2 export is for "
+            "Detectron2 only)"
         ) from None
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise ValueError(f"backbone file {str(path)!r} does not hold a state_dict (a mapping of names to tensors)")
+        raise ValueError(
+            f"backbone file {str(path)!r} does not hold a state_dict (a mapping of names to tensors): {describe(state)}"
+        )
     meta_path = Path(f"{path}.json")
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     what = f"backbone file {str(path)!r}"

@@ -55,7 +55,7 @@ from torch import Tensor
 
 from obow.backbones import ResNetBackbone
 from obow.config import Config, from_dict, load_config, to_dict
-from obow.weights.checkpoint import build_checkpoint, save_atomic
+from obow.weights.checkpoint import FORMAT, build_checkpoint, describe, read_torch_file, save_atomic
 from obow.weights.load import guess_architecture
 
 #: The built-in recipe an imported run is described by, per architecture (the authors' own recipes).
@@ -88,18 +88,16 @@ def convert_backbone(state: dict[str, Tensor], prefix: str = "") -> dict[str, Te
 
 def read_official(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The ``state_dict`` of an official file (``module.`` stripped) and the rest of the file's dictionary."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"official checkpoint {str(path)!r} does not exist")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same clear message
-        raise ValueError(f"cannot read {str(path)!r} as a torch file: {err}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{str(path)!r} does not hold a dictionary, so it is not an official OBoW checkpoint")
+    obj = read_torch_file(path, "official checkpoint", numpy_arrays=True)  # an obow v1 checkpoint is named below
+    if not isinstance(obj, dict) or obj.get("format") == FORMAT:
+        raise ValueError(f"{str(path)!r} is not an official OBoW checkpoint: {describe(obj)}")
     state = obj.get("network", obj)
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise ValueError(f"{str(path)!r}: its 'network' entry is not a state_dict (names to tensors)")
+        entry = "'network' entry" if "network" in obj else "content"
+        raise ValueError(
+            f"{str(path)!r} is not an official OBoW checkpoint: its {entry} is not a state_dict (names to tensors); "
+            f"{describe(obj)}"
+        )
     state = {k.removeprefix("module."): v for k, v in state.items()}
     return state, {k: v for k, v in obj.items() if k != "network"}
 

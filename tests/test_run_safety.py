@@ -1,0 +1,598 @@
+"""Never lose a run: one writer per run folder, exact resume after a signal or a hard kill, one-line errors
+for failed writes, and checkpoints that a weights-only ``torch.load`` reads.
+
+Where the process boundary is the point (two writers, a signal, ``kill -9``, a file size limit), the tests run
+the real ``obow`` command in subprocesses, on a narrow network (8 to 16 channels) with
+``train.deterministic: true`` and one thread, so that an interrupted run and an uninterrupted one can be
+compared tensor for tensor.
+"""
+
+import errno
+import json
+import os
+import random
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from PIL import Image
+
+from obow import cli
+from obow.config import load_config, to_dict
+from obow.files import WriteError, write_failure_cause
+from obow.training.lock import LOCK_NAME, FolderInUse, RunLock
+from obow.training.state import (
+    RESUMABLE_CHANGES,
+    SAME_REQUEST_SECONDS,
+    check_same_run,
+    get_rng_state,
+    handle_signals,
+    set_rng_state,
+)
+from obow.weights.checkpoint import load_checkpoint, save_atomic
+
+V1_CHECKPOINT = Path(__file__).parent / "data" / "v1_run" / "checkpoint_epoch1.pt"
+
+#: 80 images, batch 8: 10 steps per epoch, 30 in all; about 0.1 s per step on one CPU thread.
+NARROW_RECIPE = """
+description: test-sized recipe on a narrow network
+model: {arch: "timm:resnet18", arch_options: {channels: [8, 8, 16, 16], stem_width: 8}, stem: cifar,
+        levels: [conv4], num_words: 16, kappa: 5.0, delta_base: 1/10}
+views: {teacher_resize: 28, teacher_size: 24, num_crops: 1, crop_size: 16, num_patches: 2, patch_size: 8,
+        patch_jitter: 2, patch_grid_size: 24, blur_sigma: [0.05, 0.3]}
+data: {batch_size: 8, num_workers: 0}
+optim: {epochs: 3, lr: 0.05, warmup_epochs: 0.5, end_lr: 0.0, weight_decay: 5.0e-4}
+train: {log_every: 1, knn_every: 0, progress_bar: false, deterministic: true, tensorboard: false}
+"""
+STEPS_PER_EPOCH, EPOCHS = 10, 3
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def write_images(root: Path, per_class: int = 40, size: int = 32, seed: int = 0) -> Path:
+    """``root/class0`` and ``root/class1``: noisy images whose dominant colour channel is the class."""
+    rng = np.random.default_rng(seed)
+    for c in range(2):
+        folder = root / f"class{c}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            pixels = np.zeros((size, size, 3), dtype=np.uint8)
+            pixels[..., c] = 160
+            Image.fromarray(pixels + rng.integers(0, 90, size=(size, size, 3), dtype=np.uint8)).save(
+                folder / f"{i:03d}.png"
+            )
+    return root
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The recipe file and the training images, shared by the module's runs (none writes to them)."""
+    root = tmp_path_factory.mktemp("safety")
+    recipe = root / "narrow.yaml"
+    recipe.write_text(NARROW_RECIPE)
+    return recipe, write_images(root / "data")
+
+
+def pretrain_args(setup, out: Path, *extra: str) -> list[str]:
+    recipe, data = setup
+    return ["pretrain", "--config", str(recipe), "--data", str(data), "--out", str(out), *extra]
+
+
+def obow(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "obow.cli", *args], capture_output=True, text=True, env=ENV, timeout=300, **kwargs
+    )
+
+
+def start(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "obow.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        **kwargs,
+    )
+
+
+def read_log(out: Path) -> list[dict]:
+    lines = (out / "log.jsonl").read_text().splitlines() if (out / "log.jsonl").exists() else []
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def wait_for_iteration(out: Path, iteration: int, proc: subprocess.Popen) -> None:
+    """Until ``log.jsonl`` shows ``iteration`` (the run is then in the middle of its work)."""
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if any(r.get("iteration", 0) >= iteration for r in read_log(out)):
+            return
+        if proc.poll() is not None:
+            _, stderr = proc.communicate()
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before iteration {iteration}:\n{stderr}")
+        time.sleep(0.01)
+    raise AssertionError(f"iteration {iteration} was not reached in time")
+
+
+def leaves(obj, prefix: str = "") -> dict[str, object]:
+    """Every value in a checkpoint (tensors, numbers, strings), by its path of keys."""
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return {prefix: obj}
+    out = {}
+    for key, value in items:
+        out.update(leaves(value, f"{prefix}/{key}"))
+    return out
+
+
+#: What may differ between a resumed run and an uninterrupted one: wall times, and the one setting the tests
+#: change on resuming (a resumable one).
+MAY_DIFFER = ("/epoch_time_s", "/epoch_progress/seconds", "/config/train/checkpoint_minutes")
+
+
+def assert_same_final_state(done: dict, whole: dict) -> None:
+    """Every tensor equal (weights, teacher, vocabularies, statistics, optimiser, random states), and every
+    other value too (epoch records with their means, positions, random states), wall times aside."""
+    a, b = leaves(done), leaves(whole)
+    assert a.keys() == b.keys()
+    tensors = [k for k, v in a.items() if isinstance(v, torch.Tensor)]
+    assert len(tensors) > 100  # the model's and the optimiser's tensors are all in there
+    different = [k for k in tensors if not torch.equal(a[k], b[k])]
+    different += [k for k in a.keys() - set(tensors) if a[k] != b[k] and not k.endswith(MAY_DIFFER)]
+    assert not different, different[:5]
+    assert done["iteration"] == whole["iteration"] == STEPS_PER_EPOCH * EPOCHS
+    assert [r["loss"] for r in done["history"]] == [r["loss"] for r in whole["history"]]  # (said again: the point)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(setup, tmp_path_factory):
+    """The reference: the whole run without a stop; its final checkpoint and its stderr."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    proc = obow(*pretrain_args(setup, out))
+    assert proc.returncode == 0, proc.stderr
+    return load_checkpoint(out / "checkpoint.pt"), out, proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------ one writer
+
+
+def test_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path, caplog):
+    folder = tmp_path / "run"
+    with RunLock(folder):
+        holder = json.loads((folder / LOCK_NAME).read_text())
+        assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+        with pytest.raises(FolderInUse) as refused:
+            RunLock(folder).__enter__()  # another open file description: flock refuses it even in-process
+        message = str(refused.value)
+        assert str(folder) in message and f"process {os.getpid()} on {socket.gethostname()}" in message
+    assert (folder / LOCK_NAME).read_text() == ""  # a clean end empties the file
+    # a holder that died without cleaning up: the lock is free, its name is still in the file
+    dead = {"host": socket.gethostname(), "pid": 999999, "started": "2026-01-01T00:00:00", "command": "obow x"}
+    (folder / LOCK_NAME).write_text(json.dumps(dead))
+    with caplog.at_level("WARNING", logger="obow"), RunLock(folder):
+        assert json.loads((folder / LOCK_NAME).read_text())["pid"] == os.getpid()
+    assert "taking over the lock left by process 999999" in caplog.text and "another host" not in caplog.text
+    (folder / LOCK_NAME).write_text(json.dumps({**dead, "host": "elsewhere"}))
+    with caplog.at_level("WARNING", logger="obow"), RunLock(folder):
+        pass
+    assert "it ran on another host" in caplog.text and "elsewhere" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_second_pretrain_is_refused_and_a_killed_ones_lock_is_taken_over(setup, tmp_path):
+    out = tmp_path / "run"
+    long = "optim.epochs=50"  # long enough to be running still when the second command starts
+    first = start(*pretrain_args(setup, out, long, "optim.lr=0.05"))
+    wait_for_iteration(out, 2, first)
+    second = obow(*pretrain_args(setup, out, long, "optim.lr=0.02"))
+    assert first.poll() is None, "the first run ended before the second one started"
+    assert second.returncode == 2, second.stderr
+    (line,) = second.stderr.strip().splitlines()
+    assert line.startswith(f"obow: error: {out} is in use by process {first.pid} on {socket.gethostname()} (started ")
+    assert "pretrain" in line and "optim.lr=0.05" in line  # the holder's command line
+    first.send_signal(signal.SIGKILL)
+    first.communicate()
+    assert load_config(out / "config.yaml").optim.lr == 0.05  # the refused run wrote nothing
+    steps_before = [r["iteration"] for r in read_log(out) if r.get("type") != "epoch"]
+
+    third = start(*pretrain_args(setup, out, long, "optim.lr=0.05"))
+    wait_for_iteration(out, steps_before[-1] + 2, third)
+    third.send_signal(signal.SIGTERM)
+    _, stderr = third.communicate(timeout=120)
+    assert third.returncode == 128 + signal.SIGTERM, stderr
+    assert f"taking over the lock left by process {first.pid} on {socket.gethostname()}" in stderr
+    assert "which did not end cleanly" in stderr
+    steps = [r["iteration"] for r in read_log(out) if r.get("type") != "epoch"]
+    assert steps == list(range(1, len(steps) + 1))  # one writer at a time: each step once, in order
+    assert (out / LOCK_NAME).read_text() == ""  # the third run ended cleanly
+
+
+# ------------------------------------------------------------------------------------------------ signals
+
+
+def deliver(signum: int) -> None:
+    """Send ``signum`` to this process and let its handler run (between two bytecodes of this thread)."""
+    os.kill(os.getpid(), signum)
+    for _ in range(1000):
+        pass
+
+
+def test_first_signal_is_noted_a_repeat_at_once_is_the_same_and_a_later_one_aborts(caplog):
+    with caplog.at_level("WARNING", logger="obow"), handle_signals() as flag:
+        assert flag.received is None
+        deliver(signal.SIGTERM)
+        assert flag.received == "SIGTERM"
+        deliver(signal.SIGINT)  # at once: torchrun passing on the Ctrl-C its workers also received
+        assert flag.received == "SIGTERM"
+        time.sleep(SAME_REQUEST_SECONDS + 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            deliver(signal.SIGINT)
+    assert caplog.text.count("SIGTERM: finishing the step under way, then writing a checkpoint") == 1
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the previous handlers are back
+
+
+class AbortWhilePickled:
+    """Stands for a second Ctrl-C arriving in the middle of ``torch.save``."""
+
+    def __reduce__(self):
+        raise KeyboardInterrupt
+
+
+def test_a_save_cut_short_keeps_the_previous_file_whole(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    save_atomic({"w": torch.arange(10.0)}, path)
+    before = path.read_bytes()
+    with pytest.raises(KeyboardInterrupt):
+        save_atomic({"w": torch.zeros(1000, 1000), "then": AbortWhilePickled()}, path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary file left behind
+
+
+@pytest.mark.slow
+def test_sigterm_mid_epoch_resumes_to_the_uninterrupted_final_state(setup, uninterrupted, tmp_path):
+    whole, whole_out, whole_stderr = uninterrupted
+    assert f"New run in {whole_out} (no checkpoint there)" in whole_stderr
+    out = tmp_path / "run"
+    proc = start(*pretrain_args(setup, out, "train.checkpoint_minutes=0"))
+    wait_for_iteration(out, STEPS_PER_EPOCH + 3, proc)  # well inside the second epoch
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "SIGTERM: finishing the step under way" in stderr and "Interrupted: checkpoint written" in stderr
+    partial = load_checkpoint(out / "checkpoint.pt")
+    assert partial["epoch"] == 1 and 0 < partial["batch_in_epoch"] < STEPS_PER_EPOCH, "not in the middle of epoch 2"
+    assert partial["epoch_progress"]["steps"] == partial["batch_in_epoch"]
+    # the checkpoint is at the last logged step: nothing of a step after it was kept
+    assert max(r["iteration"] for r in read_log(out)) == partial["iteration"]
+
+    resumed = obow(*pretrain_args(setup, out))
+    assert resumed.returncode == 0, resumed.stderr
+    n, b = partial["iteration"], partial["batch_in_epoch"]
+    assert f"Resuming {out} from iteration {n} of 30 (epoch 2, batch {b} of 10)" in resumed.stderr
+    assert_same_final_state(load_checkpoint(out / "checkpoint.pt"), whole)
+    steps = [r["iteration"] for r in read_log(out) if r.get("type") != "epoch"]
+    assert steps == list(range(1, 31))
+
+
+@pytest.mark.slow
+def test_ctrl_c_reaches_the_data_workers_too_and_still_stops_at_a_step_boundary(setup, tmp_path):
+    """A terminal's Ctrl-C goes to the whole process group: the loader's worker processes leave it to the main
+    process (otherwise the next batch would fail with 'DataLoader worker exited unexpectedly')."""
+    out = tmp_path / "run"
+    proc = start(*pretrain_args(setup, out, "data.num_workers=2"), start_new_session=True)
+    wait_for_iteration(out, 3, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, stderr
+    assert "Traceback" not in stderr and "exited unexpectedly" not in stderr
+    ckpt = load_checkpoint(out / "checkpoint.pt")
+    assert ckpt["iteration"] == max(r["iteration"] for r in read_log(out)) >= 3
+
+
+def torchrun(setup, out: Path, **popen) -> subprocess.Popen:
+    """``torchrun --nproc_per_node 2 -m obow.cli pretrain ...`` on the CPU (gloo)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    return subprocess.Popen(
+        [*launcher, "-m", "obow.cli", *pretrain_args(setup, out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        **popen,
+    )
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_torchrun_stops_both_processes_at_one_boundary_and_resumes_exactly(setup, tmp_path):
+    """The terminal's Ctrl-C reaches torchrun and both workers, and torchrun passes it on: each worker gets it
+    twice at once, which counts as one request; both agree on the step boundary, and the checkpoint holds
+    both processes' random states and epoch sums."""
+    whole = torchrun(setup, tmp_path / "whole")
+    _, stderr = whole.communicate(timeout=300)
+    assert whole.returncode == 0, stderr[-3000:]
+    out = tmp_path / "run"
+    proc = torchrun(setup, out, start_new_session=True)
+    wait_for_iteration(out, STEPS_PER_EPOCH + 3, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)  # torchrun itself ends with its own error: it was interrupted
+    assert "Interrupted: checkpoint written" in stderr, stderr[-3000:]
+    partial = load_checkpoint(out / "checkpoint.pt")
+    assert partial["epoch"] == 1 and 0 < partial["batch_in_epoch"] < STEPS_PER_EPOCH
+    assert len(partial["rng"]) == len(partial["epoch_progress"]["sums"]) == 2
+    assert partial["epoch_progress"]["sums"][0] != partial["epoch_progress"]["sums"][1]  # each its own half
+
+    resumed = torchrun(setup, out)
+    _, stderr = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0 and "Resuming" in stderr, stderr[-3000:]
+    assert_same_final_state(
+        load_checkpoint(out / "checkpoint.pt"), load_checkpoint(tmp_path / "whole" / "checkpoint.pt")
+    )
+
+
+# ------------------------------------------------------------------------------------------------ hard kill
+
+
+def test_checkpoint_minutes_is_checked_and_may_change_on_resume():
+    assert load_config(None, []).train.checkpoint_minutes == 10
+    with pytest.raises(ValueError, match="train.checkpoint_minutes"):
+        load_config(None, ["train.checkpoint_minutes=-1"])
+    assert "train.checkpoint_minutes" in RESUMABLE_CHANGES
+    saved = to_dict(load_config(None, ["train.checkpoint_minutes=0.5"]))
+    check_same_run(load_config(None, []), saved, Path("checkpoint.pt"))  # no error
+
+
+@pytest.mark.slow
+def test_kill_9_loses_at_most_the_steps_since_the_last_timed_checkpoint(setup, uninterrupted, tmp_path):
+    whole, _, _ = uninterrupted
+    out = tmp_path / "run"
+    proc = start(*pretrain_args(setup, out, "train.checkpoint_minutes=0.001"))  # about every step
+    wait_for_iteration(out, STEPS_PER_EPOCH + 4, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    partial = load_checkpoint(out / "checkpoint.pt")
+    assert partial["epoch"] == 1 and partial["batch_in_epoch"] > 0, "no time-based checkpoint inside epoch 2"
+
+    resumed = obow(*pretrain_args(setup, out))  # the default checkpoint_minutes: a resumable change
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"Resuming {out} from iteration {partial['iteration']} of 30" in resumed.stderr
+    assert f"taking over the lock left by process {proc.pid}" in resumed.stderr
+    assert_same_final_state(load_checkpoint(out / "checkpoint.pt"), whole)
+
+
+# ------------------------------------------------------------------------------------------------ write errors
+
+
+def one_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) >= 1 and "Traceback" not in stderr, stderr
+    assert lines[-1].startswith("obow: error: "), stderr
+    return lines[-1]
+
+
+def test_an_out_under_a_regular_file_is_one_line_in_every_command(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    data = tmp_path / "data"
+    write_images(data / "train", per_class=4)
+    write_images(data / "val", per_class=4, seed=1)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "log.jsonl").write_text(json.dumps({"epoch": 1, "iteration": 1, "lr": 0.1, "loss": 2.0}) + "\n")
+    commands = {
+        "export": ["export", "--checkpoint", str(V1_CHECKPOINT), "--out", str(blocker / "b.pth")],
+        "eval": [
+            "eval",
+            "knn",
+            "--checkpoint",
+            str(V1_CHECKPOINT),
+            "--data",
+            str(data),
+            "--out",
+            str(blocker / "r.json"),
+            "--k",
+            "3",
+        ],  # noqa: E501
+        "show": ["show", "run", str(run), "--out", str(blocker / "curves.png")],
+    }
+    for name, args in commands.items():
+        assert cli.main(args) == 2, name
+        line = one_error_line(capsys.readouterr().err)
+        assert line.startswith(f"obow: error: cannot write {blocker}/"), (name, line)
+        assert line.endswith(f"{blocker} is a file, not a folder"), (name, line)
+
+
+def test_pretrain_with_an_out_under_a_regular_file(setup, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    proc = obow(*pretrain_args(setup, blocker / "run"))
+    assert proc.returncode == 2
+    assert (
+        one_error_line(proc.stderr) == f"obow: error: cannot write {blocker / 'run'}: {blocker} is a file, not a folder"
+    )
+
+
+def limit_file_size(limit: int):
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of killing us
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+@pytest.mark.slow
+def test_a_failed_checkpoint_write_keeps_the_previous_one(setup, tmp_path):
+    out = tmp_path / "run"
+    proc = start(*pretrain_args(setup, out, "train.checkpoint_minutes=0"))
+    wait_for_iteration(out, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    before = (out / "checkpoint.pt").read_bytes()
+    limit = len(before) // 2  # the logs still fit; the next checkpoint does not
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "obow.cli", *pretrain_args(setup, out, "train.checkpoint_minutes=0")],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+        preexec_fn=limit_file_size(limit),
+    )
+    assert proc.returncode == 2
+    assert one_error_line(proc.stderr) == (
+        f"obow: error: cannot write {out / 'checkpoint.pt'}: File too large (the file size limit, ulimit -f, "
+        f"is {limit} bytes)"
+    )
+    assert (out / "checkpoint.pt").read_bytes() == before
+    assert not list(out.glob(".*.tmp"))
+    assert load_checkpoint(out / "checkpoint.pt")["iteration"] >= 2
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MiB file system (tmpfs), for a full disk and a read-only folder; skipped where this process
+    may not mount one (not root, or a container without the capability)."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_full_disk_and_read_only_folder_are_one_line(small_disk, capsys):
+    previous = {"w": torch.arange(1000.0)}
+    save_atomic(previous, small_disk / "checkpoint.pt")
+    with pytest.raises(WriteError) as full:
+        save_atomic({"w": torch.zeros(1 << 20)}, small_disk / "checkpoint.pt")  # 4 MiB into 1 MiB
+    assert str(full.value).startswith(f"cannot write {small_disk / 'checkpoint.pt'}: the disk is full (")
+    assert torch.equal(torch.load(small_disk / "checkpoint.pt", weights_only=True)["w"], previous["w"])
+    assert [p.name for p in small_disk.iterdir()] == ["checkpoint.pt"]
+
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    out = small_disk / "backbone.pth"
+    assert cli.main(["export", "--checkpoint", str(V1_CHECKPOINT), "--out", str(out)]) == 2
+    assert one_error_line(capsys.readouterr().err) == f"obow: error: cannot write {out}: Read-only file system"
+
+
+def test_write_failure_causes_in_words(tmp_path):
+    """What the real failures above do not reach: PyTorch's writer error with and without the OSError it met."""
+    bare = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert write_failure_cause(tmp_path / "x.pt", bare) == f"the write stopped part-way ({bare})"
+    try:
+        try:
+            raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+    except RuntimeError as err:
+        assert err.__context__ is not None and err.__suppress_context__
+        assert write_failure_cause(tmp_path / "x.pt", err).startswith(os.strerror(errno.EFBIG))
+
+
+# ------------------------------------------------------------------------------------------------ portable files
+
+
+def test_every_file_obow_writes_loads_with_weights_only(setup, tmp_path, capsys):
+    from obow.training.loop import pretrain
+
+    recipe, data = setup
+    out = tmp_path / "run"
+    settings = [f"data.path={data}", "data.images_per_class=8", "optim.epochs=1", "train.keep_every=1"]
+    cfg = load_config(recipe, [*settings, "train.deterministic=false"])  # (the switch would outlive the test)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: more threads only contend with each other
+    try:
+        pretrain(cfg, out)
+    finally:
+        torch.set_num_threads(threads)
+    exported = tmp_path / "backbone.pth"
+    assert cli.main(["export", "--checkpoint", str(out / "checkpoint.pt"), "--out", str(exported)]) == 0
+    official = tmp_path / "official.pth.tar"
+    torch.save({"epoch": 200, "network": torchvision.models.resnet18().state_dict()}, official)
+    imported = tmp_path / "imported.pt"
+    assert cli.main(["import-official", str(official), "--out", str(imported)]) == 0
+    capsys.readouterr()
+    for path in (out / "checkpoint.pt", out / "checkpoints" / "epoch_0001.pt", exported, imported):
+        loaded = torch.load(path, weights_only=True)  # no error: tensors and plain values only
+        assert isinstance(loaded, dict) and loaded, path
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    numpy_state = ckpt["rng"][0]["numpy"]
+    assert numpy_state["key"].dtype == torch.int64 and numpy_state["key"].shape == (624,)
+    assert int(numpy_state["key"].max()) < 2**32
+    assert load_checkpoint(V1_CHECKPOINT)["version"] == 1  # a NumPy-holding checkpoint of version 1 still reads
+
+
+def test_a_version_1_random_state_pickled_by_numpy_1_still_reads(tmp_path):
+    """NumPy 1 pickles its arrays' constructor as numpy.core.multiarray._reconstruct, NumPy 2 as
+    numpy._core...; a weights-only load matches names, so both must be allowed. The NumPy 1 name is produced
+    here by pickling while the constructor reports NumPy 1's module."""
+    reconstruct = np.empty(0).__reduce__()[0]
+    module = reconstruct.__module__
+    state = np.random.get_state()
+    try:
+        reconstruct.__module__ = "numpy.core.multiarray"
+        torch.save({"format": "obow-checkpoint", "version": 1, "rng": [{"numpy": state}]}, tmp_path / "old.pt")
+    finally:
+        reconstruct.__module__ = module
+    assert "numpy.core.multiarray._reconstruct" in torch.serialization.get_unsafe_globals_in_checkpoint(
+        tmp_path / "old.pt"
+    )
+    key = load_checkpoint(tmp_path / "old.pt")["rng"][0]["numpy"][1]
+    assert np.array_equal(key, state[1]) and key.dtype == np.uint32
+
+
+def test_the_random_states_round_trip_through_a_weights_only_file(tmp_path):
+    np.random.normal()  # a cached Gaussian in NumPy's state: has_gauss and cached_gaussian matter too
+    state = get_rng_state()
+    expected = (random.random(), float(np.random.normal()), float(np.random.rand()), float(torch.rand(())))
+    random.random(), np.random.rand(3), torch.rand(3)  # move every generator on
+    torch.save(state, tmp_path / "rng.pt")
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), float(np.random.normal()), float(np.random.rand()), float(torch.rand(()))) == expected
+
+
+def test_wrong_files_are_named_in_one_line(tmp_path, capsys):
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(V1_CHECKPOINT.read_bytes()[:5000])
+    code = tmp_path / "code.pt"
+    torch.save({"object": Path("x")}, code)  # a pickled class: a weights-only load refuses it
+    backbone = tmp_path / "backbone.pth"
+    torch.save(torchvision.models.resnet18().state_dict(), backbone)
+    official = tmp_path / "official.pth.tar"
+    torch.save({"epoch": 1, "network": {"x": torch.zeros(1)}}, official)
+    expected = {
+        text: "it is not a file written by torch.save",
+        empty: "the file is empty",
+        truncated: "the file is damaged or cut short",
+        code: "it holds Python objects (pathlib",
+        backbone: f"it holds a state_dict of {len(torchvision.models.resnet18().state_dict())} tensors",
+        official: "convert it with obow import-official",
+    }
+    for path, words in expected.items():
+        with pytest.raises(ValueError) as err:
+            load_checkpoint(path)
+        message = str(err.value)
+        assert words in message and str(path) in message and "\n" not in message, message
+    for path, words in ((V1_CHECKPOINT, "already an obow pretraining checkpoint"), (text, "not a file written")):
+        assert cli.main(["import-official", str(path), "--out", str(tmp_path / "x.pt")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err and "Weights only load failed" not in err, err
+    with pytest.raises(ValueError, match="does not exist"):
+        load_checkpoint(tmp_path / "missing.pt")

@@ -310,9 +310,12 @@ class TrainConfig:
     knn_temperature: float = 0.1
     progress_bar: bool = True
     tensorboard: bool = True
+    #: Intra-op threads of each training process; 0: chosen from the cores (see obow.training.loop.choose_threads)
+    threads: int = 0
 
     def __post_init__(self) -> None:
         _check_int("train.seed", self.seed, minimum=0)
+        _check_int("train.threads", self.threads, minimum=0)
         check_choice("train.device", self.device, DEVICES)
         check_choice("train.precision", self.precision, PRECISIONS)
         _check_int("train.log_every", self.log_every, minimum=1)

@@ -150,7 +150,7 @@ def pretext_summary(log_path: Path, levels: tuple[str, ...]) -> dict[str, float]
     the logged ``loss/group*/<level>``) at the first logged step and over the last epoch, next to the loss of
     a student that predicts the batch's average BoW for every image (``kl_to_mean_bow``)."""
     records = [json.loads(line) for line in log_path.read_text().splitlines()]
-    steps = [r for r in records if r.get("type") != "epoch"]
+    steps = [r for r in records if "type" not in r]
     last_epoch = [r for r in steps if r["epoch"] == steps[-1]["epoch"]]
 
     def group_loss(r: dict) -> float:

@@ -34,8 +34,11 @@ LOSS_WEIGHTINGS = ("group_sum", "view_mean")
 MOCO_AUGMENTATIONS = ("mocov2", "ours")
 
 
-def build_method(cfg: Config, total_iterations: int) -> Method:
-    """The module of ``cfg.model.method``, built from ``cfg``, for a run of ``total_iterations`` steps."""
+def build_method(cfg: Config, total_iterations: int, *, resuming: bool = False) -> Method:
+    """The module of ``cfg.model.method``, built from ``cfg``, for a run of ``total_iterations`` steps.
+
+    ``resuming``: the weights will come from a checkpoint, so nothing is read from elsewhere (BoWNet's
+    teacher file may be gone: its weights are in the checkpoint)."""
     method = cfg.model.method
     if method == "obow":
         from obow.methods.obow import OBoW
@@ -48,7 +51,7 @@ def build_method(cfg: Config, total_iterations: int) -> Method:
     if method == "bownet":
         from obow.methods.bownet import BoWNet
 
-        return BoWNet.from_config(cfg, total_iterations=total_iterations)
+        return BoWNet.from_config(cfg, total_iterations=total_iterations, load_teacher_file=not resuming)
     if method == "rotnet":
         from obow.methods.rotnet import RotNet
 

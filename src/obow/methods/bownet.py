@@ -141,14 +141,21 @@ class BoWNet(OBoW):
         self.register_buffer("vocabulary_ready", torch.zeros((), dtype=torch.bool))
 
     @classmethod
-    def from_config(cls, cfg: Config, total_iterations: int) -> BoWNet:  # type: ignore[override]
-        """The model of a ``model.method=bownet`` recipe; loads the teacher from ``bownet.teacher``."""
+    def from_config(  # type: ignore[override]
+        cls, cfg: Config, total_iterations: int, load_teacher_file: bool = True
+    ) -> BoWNet:
+        """The model of a ``model.method=bownet`` recipe; loads the teacher from ``bownet.teacher``, unless
+        ``load_teacher_file`` is false (a resumed run: the teacher's weights are in its checkpoint, so the run
+        resumes even when that file is gone)."""
         m = cfg.model
         if not cfg.bownet.teacher:
             raise ValueError(
                 "model.method=bownet needs bownet.teacher (an obow pretrain checkpoint or an exported backbone)"
             )
-        teacher = load_teacher(cfg.bownet.teacher, m)
+        if load_teacher_file:
+            teacher = load_teacher(cfg.bownet.teacher, m)
+        else:
+            teacher = build_backbone(m.arch, m.stem, m.arch_options).requires_grad_(False)
         student = build_backbone(m.arch, m.stem, m.arch_options)
         extractors = build_extractors(m, student, lambda channels: StaticVocabulary(m.num_words, channels))
         return cls(

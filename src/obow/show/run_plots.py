@@ -47,8 +47,10 @@ def read_run(run_dir: str | Path) -> RunLog:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict):
-            (epochs if record.get("type") == "epoch" else steps).append(record)
+        if isinstance(record, dict) and record.get("type") == "epoch":
+            epochs.append(record)
+        elif isinstance(record, dict) and "type" not in record:  # step records; others (plan changes) aside
+            steps.append(record)
     if not steps and not epochs:
         raise ValueError(f"{path} holds no records yet")
     return RunLog(Path(run_dir).resolve().name, steps, epochs)

@@ -54,6 +54,7 @@ RESUMABLE_CHANGES = {
     "train.knn_temperature",
     "train.progress_bar",
     "train.tensorboard",
+    "train.threads",
 }
 
 
@@ -106,8 +107,9 @@ def open_run(cfg: Config, out: Path) -> dict[str, Any] | None:
     files, and log records of iterations after the checkpoint (a resumed run computes them again)."""
     path = out / "checkpoint.pt"
     ckpt = load_checkpoint(path) if path.exists() else None
+    extended_from = None
     if ckpt is not None:
-        check_same_run(cfg, ckpt["config"], path)
+        extended_from = check_same_run(cfg, ckpt["config"], path)
         if "optimizer" not in ckpt:
             raise RunError(
                 f"{path} holds weights but no training state (written by obow import-official?): it can be "
@@ -120,7 +122,29 @@ def open_run(cfg: Config, out: Path) -> dict[str, Any] | None:
             stale.unlink()
         if ckpt is not None:
             truncate_log(out / "log.jsonl", ckpt["iteration"])
+        if extended_from is not None:
+            note_plan_change(out / "log.jsonl", ckpt["iteration"], extended_from, cfg.optim.epochs)
     return ckpt
+
+
+def note_plan_change(log_path: Path, iteration: int, before: int, after: int) -> None:
+    """Mark in the log where a run's plan grew from ``before`` to ``after`` epochs.
+
+    From ``iteration`` on, the learning rate and the teacher's momentum follow the schedules of the longer
+    run at the same iteration (a warm restart for a finished run, whose learning rate had reached its end);
+    the steps before followed the shorter plan, so the result is not the run that the longer plan would have
+    given from the start."""
+    record = {"type": "plan", "iteration": iteration, "epochs": after, "previous_epochs": before}
+    with writing(log_path) as target, open(target, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    log.info(
+        "Extending the run from %d to %d epochs at iteration %d: the learning rate and teacher momentum now "
+        "follow the %d-epoch schedules (marked in log.jsonl)",
+        before,
+        after,
+        iteration,
+        after,
+    )
 
 
 def restore(
@@ -205,8 +229,9 @@ def save_run(
         save_atomic(ckpt, out / "checkpoints" / f"epoch_{state.epoch:04d}.pt")
 
 
-def check_same_run(cfg: Config, saved: dict[str, Any], path: Path) -> None:
-    """Refuse to resume a checkpoint whose run-defining settings differ from ``cfg``."""
+def check_same_run(cfg: Config, saved: dict[str, Any], path: Path) -> int | None:
+    """Refuse to resume a checkpoint whose run-defining settings differ from ``cfg``; one change is allowed,
+    a larger ``optim.epochs`` (extending the run: the checkpoint's planned epochs are returned, else ``None``)."""
     try:  # settings added after the checkpoint was written count as their defaults
         saved = to_dict(from_dict(Config, saved))
     except ValueError:
@@ -215,12 +240,17 @@ def check_same_run(cfg: Config, saved: dict[str, Any], path: Path) -> None:
     changed = sorted(
         k for k in now.keys() | before.keys() if now.get(k) != before.get(k) and k not in RESUMABLE_CHANGES
     )
+    extended_from = None
+    if "optim.epochs" in changed and now["optim.epochs"] > before["optim.epochs"]:
+        changed.remove("optim.epochs")
+        extended_from = before["optim.epochs"]
     if changed:
         diffs = "; ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
         raise RunError(
             f"{path} belongs to a run with other settings ({diffs}). Use another --out for a new run, "
-            "or the same settings to resume this one"
+            "or the same settings to resume this one (optim.epochs may grow, to extend the run)"
         )
+    return extended_from
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

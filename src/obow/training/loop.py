@@ -147,27 +147,7 @@ def pretrain(cfg: Config, out_dir: str | Path, *, monitor: MonitorFactory | None
         model = build_model(cfg, total_iters, device, resuming=ckpt is not None)
         optimizer = build_optimizer(model, cfg)
         scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
-        if ckpt is not None:
-            state = restore(ckpt, model, optimizer, scaler, iters_per_epoch)
-            log_main(
-                "Resuming %s from iteration %d of %d (epoch %d, batch %d of %d)",
-                out,
-                state.iteration,
-                total_iters,
-                state.epoch + 1,
-                state.batch_in_epoch,
-                iters_per_epoch,
-            )
-        else:
-            model.prepare(images, cfg, device)  # e.g. BoWNet's offline k-means, once, before the first step
-            seed_run(cfg.train.seed + D.rank())  # runtime randomness (queue sampling) differs per process
-            state = RunState()
-            log_main(
-                "New run in %s (no checkpoint there): %d images, %d iterations per epoch",
-                out,
-                len(images),
-                iters_per_epoch,
-            )
+        state = start_or_resume(ckpt, model, optimizer, scaler, images, cfg, device, out)
         if state.epoch >= cfg.optim.epochs:
             log_main("The run in %s is already complete (%d epochs); nothing to do", out, state.epoch)
             return summary(out, state)
@@ -178,20 +158,8 @@ def pretrain(cfg: Config, out_dir: str | Path, *, monitor: MonitorFactory | None
         model.train()
         with handle_signals(announce=D.is_main_process()) as signals:
             boundary = StepBoundary(signals, cfg.train.checkpoint_minutes, device)
-            run = Run(
-                cfg,
-                out,
-                device,
-                model,
-                step_model,
-                optimizer,
-                scaler,
-                sampler,
-                loader,
-                iters_per_epoch,
-                logger,
-                boundary,
-            )
+            parts = (model, step_model, optimizer, scaler, sampler, loader, iters_per_epoch, logger, boundary)
+            run = Run(cfg, out, device, *parts)
             try:
                 train_epochs(run, state, epoch_monitor)
             except Interrupted:
@@ -206,6 +174,40 @@ def pretrain(cfg: Config, out_dir: str | Path, *, monitor: MonitorFactory | None
             finally:
                 logger.close()
     return summary(out, state)
+
+
+def start_or_resume(
+    ckpt: dict[str, Any] | None,
+    model: Method,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    images: ImageList,
+    cfg: Config,
+    device: torch.device,
+    out: Path,
+) -> RunState:
+    """Where the run starts: the checkpoint's state loaded into the model, optimiser, scaler and random
+    generators; or, for a new run, the method's one-off preparation (e.g. BoWNet's off-line k-means) and
+    per-process seeds. Says which in the log."""
+    iters_per_epoch = len(images) // cfg.data.batch_size
+    if ckpt is not None:
+        state = restore(ckpt, model, optimizer, scaler, iters_per_epoch)
+        log_main(
+            "Resuming %s from iteration %d of %d (epoch %d, batch %d of %d)",
+            out,
+            state.iteration,
+            iters_per_epoch * cfg.optim.epochs,
+            state.epoch + 1,
+            state.batch_in_epoch,
+            iters_per_epoch,
+        )
+        return state
+    model.prepare(images, cfg, device)
+    seed_run(cfg.train.seed + D.rank())  # runtime randomness (queue sampling) differs per process
+    log_main(
+        "New run in %s (no checkpoint there): %d images, %d iterations per epoch", out, len(images), iters_per_epoch
+    )
+    return RunState()
 
 
 def train_epochs(run: Run, state: RunState, epoch_monitor: Monitor | None) -> None:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +144,18 @@ def read_run_log(out: Path) -> list[dict]:
 @pytest.fixture(scope="session")
 def read_log():
     return read_run_log
+
+
+def find_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """``free_port()``: a TCP port on 127.0.0.1 that nothing listens on, for a process group's rendezvous."""
+    return find_free_port
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

@@ -82,6 +82,7 @@ def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
         tmp_path,
         [
             "optim.epochs=2",
+            "data.images_per_class=13",  # 130 images: 2 steps of 64 per epoch (the evaluation uses them all)
             "views.num_patches=0",
             "model.num_words=128",
             "data.num_workers=0",

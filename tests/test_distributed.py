@@ -12,7 +12,6 @@ float32 the rounding differences between split and whole-batch reductions flip n
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -34,12 +33,6 @@ WORLD = 2
 BATCH = 8  # global
 STEPS = 3
 DTYPE = torch.float64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def without_batchnorm(module: nn.Module) -> nn.Module:
@@ -125,7 +118,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_process_states(tmp_path_factory):
+def two_process_states(tmp_path_factory, free_port):
     out = tmp_path_factory.mktemp("dist")
     mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, start_method="spawn")
     return out
@@ -161,7 +154,7 @@ def test_random_vocabulary_choices_agree_across_processes(two_process_states):
 
 
 @pytest.mark.slow
-def test_torchrun_pretraining_on_two_cpu_processes(tmp_path, tiny_recipe, write_images):
+def test_torchrun_pretraining_on_two_cpu_processes(tmp_path, tiny_recipe, write_images, free_port):
     """The real launcher: `torchrun --nproc_per_node 2 -m obow.cli pretrain ...` with gloo on the CPU."""
     recipe = tiny_recipe
     data = write_images(tmp_path / "data", per_class=8)

@@ -257,9 +257,7 @@ def _dist_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_share_one_queue_in_rank_order(tmp_path):
-    from test_distributed import free_port
-
+def test_two_processes_share_one_queue_in_rank_order(tmp_path, free_port):
     mp.start_processes(_dist_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
     for name in ("bn", "no_bn"):
         a, b = (torch.load(tmp_path / f"{name}_rank{r}.pt") for r in range(WORLD))

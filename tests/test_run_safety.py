@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
+from conftest import TINY_RECIPE
 from PIL import Image
 
 from obow import cli
@@ -42,16 +43,12 @@ from obow.weights.checkpoint import load_checkpoint, save_atomic
 V1_CHECKPOINT = Path(__file__).parent / "data" / "v1_run" / "checkpoint_epoch1.pt"
 
 #: 80 images, batch 8: 10 steps per epoch, 30 in all; about 0.1 s per step on one CPU thread.
-NARROW_RECIPE = """
-description: test-sized recipe on a narrow network
-model: {arch: "timm:resnet18", arch_options: {channels: [8, 8, 16, 16], stem_width: 8}, stem: cifar,
-        levels: [conv4], num_words: 16, kappa: 5.0, delta_base: 1/10}
-views: {teacher_resize: 28, teacher_size: 24, num_crops: 1, crop_size: 16, num_patches: 2, patch_size: 8,
-        patch_jitter: 2, patch_grid_size: 24, blur_sigma: [0.05, 0.3]}
-data: {batch_size: 8, num_workers: 0}
-optim: {epochs: 3, lr: 0.05, warmup_epochs: 0.5, end_lr: 0.0, weight_decay: 5.0e-4}
+NARROW_RECIPE = (
+    TINY_RECIPE
+    + """
 train: {log_every: 1, knn_every: 0, progress_bar: false, deterministic: true, tensorboard: false}
 """
+)  # the shared tiny recipe (conftest.py), without the kNN monitor and TensorBoard; a later key wins in YAML
 STEPS_PER_EPOCH, EPOCHS = 10, 3
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 

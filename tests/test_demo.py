@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 
 from obow.config import load_config
-from obow.experiments.demo import blend_on_background, run_demo, write_digits
+from obow.experiments.demo import MOSAICS_PER_SCAN, run_demo, write_digits
 from obow.methods.obow import OBoW
 from obow.weights.load import load_backbone
 
@@ -23,27 +23,20 @@ def test_write_digits_makes_a_stratified_class_folder_split(digits_root):
     train, val = digits_root / "train", digits_root / "val"
     counts = {split.name: {d.name: len(list(d.glob("*.png"))) for d in split.iterdir()} for split in (train, val)}
     assert set(counts["train"]) == set(counts["val"]) == {str(i) for i in range(10)}
-    assert sum(counts["train"].values()) + sum(counts["val"].values()) == 1797
-    assert abs(sum(counts["train"].values()) - sum(counts["val"].values())) <= 1
-    for digit in counts["train"]:  # stratified: every class split in halves
-        assert abs(counts["train"][digit] - counts["val"][digit]) <= 1
+    assert sum(counts["train"].values()) / MOSAICS_PER_SCAN + sum(counts["val"].values()) == 1797
+    assert abs(sum(counts["train"].values()) / MOSAICS_PER_SCAN - sum(counts["val"].values())) <= 1
+    for digit in counts["train"]:  # stratified: every class's scans split in halves
+        assert abs(counts["train"][digit] / MOSAICS_PER_SCAN - counts["val"][digit]) <= 1
     image = Image.open(next((train / "3").glob("*.png")))
     assert image.size == (32, 32) and image.mode == "RGB"
-    pixels = np.asarray(image).astype(int)
-    assert np.abs(pixels[..., 0] - pixels[..., 1]).mean() > 3  # coloured photograph backgrounds, not grey digits
+    pixels = np.asarray(image)
+    assert (pixels[..., 0] == pixels[..., 1]).all() and pixels.max() > 200  # white strokes, no colour
     before = sorted(p.stat().st_mtime_ns for p in train.rglob("*.png"))
     assert write_digits(digits_root) == (train, val)  # already written: kept as it is
     assert sorted(p.stat().st_mtime_ns for p in train.rglob("*.png")) == before
 
 
-def test_blend_is_the_absolute_difference_per_channel():
-    glyph = np.array([[0, 255], [100, 40]], dtype=np.uint8)
-    background = np.array([[[10, 20, 30], [255, 0, 128]], [[100, 90, 250], [0, 40, 41]]], dtype=np.uint8)
-    expected = np.array([[[10, 20, 30], [0, 255, 127]], [[0, 10, 150], [40, 0, 1]]], dtype=np.uint8)
-    np.testing.assert_array_equal(blend_on_background(glyph, background), expected)
-
-
-def test_digits_on_backgrounds_are_reproducible(digits_root, tmp_path):
+def test_digit_mosaics_are_reproducible(digits_root, tmp_path):
     a_train = digits_root / "train"
     b_train, _ = write_digits(tmp_path / "b", seed=0)
     c_train, _ = write_digits(tmp_path / "c", seed=1)
@@ -82,7 +75,7 @@ def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
         tmp_path,
         [
             "optim.epochs=2",
-            "data.images_per_class=13",  # 130 images: 2 steps of 64 per epoch (the evaluation uses them all)
+            "data.images_per_class=32",
             "views.num_patches=0",
             "model.num_words=128",
             "data.num_workers=0",
@@ -93,7 +86,10 @@ def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
     for row in rows.values():
         for key in ("fewshot_10way_1shot", "fewshot_10way_5shot", "knn_k20"):
             assert 0 <= row[key] <= 100
-    assert rows["random init"]["knn_k20"] > 20  # far above chance (10%): the protocol works
+    # A random network's features barely tell the mosaics apart (that is the point of the data); the seeded
+    # network on the seeded data scores what the screening runs measured (README), and the trained one differs.
+    assert rows["random init"]["knn_k20"] == pytest.approx(13.9, abs=0.5)
+    assert rows["OBoW pretrained"]["knn_k20"] != rows["random init"]["knn_k20"]
     saved = json.loads((tmp_path / "demo_results.json").read_text())
     assert saved["results"] == rows and saved["pretext"]["first_loss"] > 0
     out = capsys.readouterr().out

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from obow.config import load_config
-from obow.experiments.tables import TABLES, _fill, _placeholders, list_tables, markdown, select_rows
+from obow.experiments.budget import plan_epochs, seconds_per_step, short_run_warmup
+from obow.experiments.tables import TABLES, _aggregate, _fill, _placeholders, list_tables, markdown, select_rows
 
 TINY = """
 description: tiny base for tables
@@ -58,7 +59,86 @@ def test_select_rows_by_number_label_or_slug_and_clear_error():
         select_rows(t, ["nine"])
 
 
-@pytest.mark.slow
+def test_plan_epochs_fits_whole_epochs_in_the_minutes():
+    # 25 min = 1,500 s; 4.5 s a step and 39 steps an epoch = 175.5 s an epoch -> 8.55 -> 8 whole epochs
+    assert plan_epochs(25, 4.5, 39) == 8
+    assert plan_epochs(25, 1.5, 39) == 25  # a step 3x cheaper: 25.6 -> 25 epochs
+    assert plan_epochs(0.01, 4.5, 39) == 1  # never less than one epoch
+    with pytest.raises(ValueError, match="seconds_per_step > 0"):
+        plan_epochs(25, 0.0, 39)
+
+
+def test_short_run_warmup_keeps_the_recipes_epochs_up_to_half_the_run():
+    assert short_run_warmup(1.0, 8) == 1.0  # not scaled down with the run (the old rule: 1 * 8 / 15)
+    assert short_run_warmup(10.0, 8) == 4.0  # a long recipe's warm-up: at most half the run
+    assert short_run_warmup(1.0, 1) == 0.5
+    assert short_run_warmup(0.0, 3) == 0.0
+    with pytest.raises(ValueError, match="epochs must be >= 1"):
+        short_run_warmup(1.0, 0)
+
+
+def test_aggregate_is_the_mean_and_sample_deviation_over_seeds():
+    runs = [
+        {"seed": s, "scores": {"knn": v, "notes": []}, "steps": 4, "minutes": m}
+        for s, v, m in ((0, 30.0, 1.0), (1, 34.0, 3.0), (2, 35.0, 2.0))
+    ]
+    row = _aggregate("x", "x", {}, runs)
+    assert row["mean"]["knn"] == pytest.approx(33.0)
+    assert row["std"]["knn"] == pytest.approx(math.sqrt(((30 - 33) ** 2 + 1 + 4) / 2))  # n - 1 = 2
+    assert row["minutes"] == pytest.approx(2.0) and row["steps"] == 4
+    assert _aggregate("x", "x", {}, runs[:1])["std"]["knn"] is None  # one seed: no spread claimed
+
+
+def test_seconds_per_step_times_every_config_in_alternating_rounds(tmp_path, write_images):
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(TINY)
+    write_images(tmp_path / "train", per_class=4, size=28)  # 3 batches of 8: the rounds wrap around the epoch
+    base = [f"data.path={tmp_path / 'train'}"]
+    configs = {
+        "obow": load_config(recipe, base),
+        "moco": load_config(recipe, [*base, "model.method=mocov2", "moco.queue_size=16"]),
+    }
+    timed = seconds_per_step(configs, rounds=3)
+    assert set(timed) == {"obow", "moco"} and all(0 < t < 60 for t in timed.values())
+
+
+def _tiny_table(tmp_path, write_images):
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(TINY)
+    data = tmp_path / "data"
+    write_images(data / "train", per_class=8, size=28)
+    write_images(data / "test", per_class=6, size=28, seed=1)
+    return recipe, data, tmp_path / "tables"
+
+
+def test_tiny_minutes_table_with_two_seeds_plans_trains_and_aggregates(tmp_path, write_images, obow_cli):
+    recipe, data, out = _tiny_table(tmp_path, write_images)
+    args = ["tables", "run", "table3", "--data", data, "--minutes", "0.001", "--recipe", recipe, "--out", out]
+    printed = obow_cli(*args, "--rows", "4", "--seeds", "0", "1", "--k", "5", "--episodes", "5").out
+    assert "| hard, fixed |" in printed and "seeds 0, 1" in printed
+
+    plan = json.loads((out / "table3" / "plan.json").read_text())
+    stage = plan["stages"]["hard_fixed/pretrain"]
+    assert plan["budget"] == {"minutes": 0.001} and plan["steps_per_epoch"] == 2  # 16 images, batch 8
+    assert stage["epochs"] == 1 and stage["warmup_epochs"] == 0.5 and stage["seconds_per_step"] > 0
+    record = json.loads((out / "table3" / "table.json").read_text())
+    (row,) = record["rows"]
+    assert [r["seed"] for r in row["runs"]] == [0, 1] and [r["seed"] for r in record["random_init"]["runs"]] == [0, 1]
+    knn = [r["scores"]["knn"] for r in row["runs"]]
+    assert row["mean"]["knn"] == pytest.approx(sum(knn) / 2)
+    assert row["std"]["knn"] == pytest.approx(abs(knn[0] - knn[1]) / math.sqrt(2))
+    for seed in (0, 1):  # each seed is its own run, with its own seed
+        saved = load_config(out / "table3" / "hard_fixed" / f"seed{seed}" / "config.yaml")
+        assert saved.train.seed == seed and saved.optim.epochs == 1 and saved.optim.warmup_epochs == 0.5
+    assert (out / "table3" / "table.md").read_text() == markdown(record, TABLES["table3"].columns)
+
+    # the folder's budget is fixed: another budget is refused, naming both
+    with pytest.raises(ValueError, match="planned for \\{'minutes': 0.001\\}.*asks for \\{'epochs': 2\\}"):
+        from obow.experiments.tables import run_table
+
+        run_table("table3", data, 2, recipe=str(recipe), out=out, rows=["4"], k=5, episodes=5)
+
+
 def test_tiny_table3_run_writes_the_table_and_resumes_without_retraining(tmp_path, write_images, obow_cli):
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(TINY)
@@ -73,17 +153,17 @@ def test_tiny_table3_run_writes_the_table_and_resumes_without_retraining(tmp_pat
     record = json.loads((out / "table3" / "table.json").read_text())
     assert [r["label"] for r in record["rows"]] == ["soft, dynamic", "hard, fixed"]
     for r in [record["random_init"], *record["rows"]]:
-        s = r["scores"]
+        s = r["runs"][0]["scores"]
         for key in ("knn", "linear", "fewshot_1", "fewshot_5", "effective_rank", "mean_cosine"):
             assert math.isfinite(s[key]), (r["label"], key)
         assert 0 <= s["knn"] <= 100 and 0 <= s["fewshot_1"] <= 100
     assert record["rows"][0]["steps"] == 2 and record["random_init"]["steps"] == 0  # 16 images / batch 8
     # each row trained with its own change
-    saved = load_config(out / "table3" / "hard_fixed" / "config.yaml")
+    saved = load_config(out / "table3" / "hard_fixed" / "seed0" / "config.yaml")
     assert (saved.model.assignment, saved.model.head, saved.model.levels) == ("hard", "fixed", ("conv5",))
 
     # resumable: finished rows are not retrained, a new row is added, the table keeps every finished row
-    checkpoint = out / "table3" / "soft_dynamic" / "checkpoint.pt"
+    checkpoint = out / "table3" / "soft_dynamic" / "seed0" / "checkpoint.pt"
     stamp = checkpoint.stat().st_mtime_ns
     obow_cli(*args, "--rows", "soft_dynamic", "2", "--k", "5", "--episodes", "10")
     assert checkpoint.stat().st_mtime_ns == stamp

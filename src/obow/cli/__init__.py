@@ -7,7 +7,7 @@ obow eval knn|linear|fewshot|finetune --checkpoint runs/x/checkpoint.pt --data D
 obow export --checkpoint runs/x/checkpoint.pt --out backbone.pth --format torchvision
 obow show words|run|neighbours ...               # pictures of what a run learned
 obow import-official FILE --out CKPT             # the authors' released weights as an obow checkpoint
-obow tables [run NAME --data DIR --budget EPOCHS] # the paper's Tables 1-5 and MoCo v2 comparison, measured
+obow tables [run NAME --data DIR --minutes M]    # the paper's Tables 1-5 and MoCo v2 comparison, measured
 
 The parser imports nothing heavy (no PyTorch), so that ``obow --help`` and argument errors are instant; each
 command imports what it needs when it runs. ``key=value`` overrides may stand anywhere on the line.
@@ -138,7 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     r = tables.add_parser("run", help="train and evaluate every row of a table; resumes, skips finished rows")
     r.add_argument("name", help="table1 ... table5 or mocov2 (see `obow tables`)")
     r.add_argument("--data", required=True, help="a folder with train/ and test/ (or val/) class folders")
-    r.add_argument("--budget", required=True, type=int, help="epochs of pretraining per row (the same for all)")
+    budget = r.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--minutes", type=float, help="minutes of this machine per row and seed (fair on a CPU)")
+    budget.add_argument("--budget", type=int, help="epochs of pretraining per row (the same for all)")
+    r.add_argument("--seeds", nargs="+", type=int, default=[0], help="train every row once per seed (default 0)")
+    r.add_argument("--curve-every", type=int, default=0, help="kNN on the test images every N epochs (curves)")
     r.add_argument("--recipe", default="cifar10_fast", help="the base recipe, read as the paper's full setting")
     r.add_argument("--out", default="runs/tables", help="output folder (default runs/tables)")
     r.add_argument("--per-class", type=int, default=None, help="pretrain on the first N images of each class")
@@ -212,7 +216,10 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
     from obow.experiments.tables import list_tables
 
     print(list_tables())
-    print("\nrun one: obow tables run NAME --data DIR --budget EPOCHS [--per-class N] [key=value ...]")
+    print(
+        "\nrun one: obow tables run NAME --data DIR (--minutes M | --budget EPOCHS) [--seeds 0 1] [--per-class N] "
+        "[key=value ...]"
+    )
     return 0
 
 
@@ -225,6 +232,9 @@ def cmd_tables_run(args: argparse.Namespace) -> int:
             args.name,
             args.data,
             args.budget,
+            minutes=args.minutes,
+            seeds=args.seeds,
+            curve_every=args.curve_every,
             recipe=args.recipe,
             out=args.out,
             per_class=args.per_class,

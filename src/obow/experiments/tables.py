@@ -1,12 +1,35 @@
-"""The paper's comparisons as commands: ``obow tables`` and ``obow tables run NAME --data DIR --budget EPOCHS``.
+"""The paper's comparisons as commands: ``obow tables`` and
+``obow tables run NAME --data DIR (--minutes M | --budget EPOCHS) [--seeds 0 1]``.
 
 Each table of the paper's analysis (Tables 1-5, ResNet-18 on 20% of ImageNet, 80 epochs) and the appendix
 comparison with MoCo v2 is a list of rows. Every row is the same base recipe (the ``--recipe``, read as the
 paper's *full* setting: ``conv4`` + ``conv5``, 2 crops + 5 patches) with the row's change applied, trained
-for the same reduced budget (``--budget`` epochs of the given images), then measured with one protocol
-(:mod:`obow.evaluate.protocol`: linear probe, few-shot episodes, kNN, effective rank) beside the paper's
-numbers. A "random init" row measures the base network at its own random initialisation (same seed), the
-reference every learning claim needs.
+for the same reduced budget, once per seed, then measured with one protocol (:mod:`obow.evaluate.protocol`:
+linear probe, few-shot episodes, kNN, effective rank) beside the paper's numbers, as the mean and sample
+standard deviation over the seeds. A "random init" row measures the base network at its random
+initialisation (each seed's), the reference every learning claim needs.
+
+The budget:
+
+* ``--minutes M`` (the fair comparison on a CPU): every row gets the same wall-clock time of this machine,
+  not the same epochs (a MoCo v2 step, two views, costs a fraction of an OBoW (full) step). Before a row is
+  first trained, its step is timed together with the other rows' in alternating rounds
+  (:func:`obow.experiments.budget.seconds_per_step`: loading included), and its epochs are the whole epochs
+  that fit in M minutes; a BoWNet row's stages share the M minutes in the proportions below.
+* ``--budget EPOCHS``: every row the same epochs (the paper's protocol; fair on equal hardware per step only).
+
+Either way the plan (each row's epochs, warm-up, timed step) is written once to ``<table>/plan.json`` and
+reused by every seed and by later calls that complete the table; asking the same folder for another budget
+or other images is refused.
+
+Settings the tables change for a short run, the same rule for every row:
+
+* **Warm-up**: the base recipe's warm-up in epochs (``cifar10_fast``: 1 epoch), *not* scaled with the
+  budget, and at most half the row's epochs (:func:`obow.experiments.budget.short_run_warmup`). An earlier
+  rule kept the recipe's proportion of the run: 8 steps of warm-up for a 117-step row, and OBoW (full) fell
+  below its random init (kNN 23.0 against 26.9).
+* Nothing else is scaled: the teacher momentum's cosine (0.99 -> 1) and the learning rate's cosine run over
+  the row's own steps, as in any run; the temperature statistic's momentum is per step (the recipe's).
 
 How the paper's settings map onto the base recipe:
 
@@ -23,11 +46,12 @@ How the paper's settings map onto the base recipe:
 * MoCo v2 rows: ``moco.key_momentum=0.99`` (OBoW's teacher momentum, and what MoCo's CIFAR-10 demo uses; 0.999
   would leave the key encoder at its initialisation over a few hundred steps) and a queue of the largest
   multiple of the batch that is at most half the training images (and at most 65,536, MoCo's).
-* The warm-up keeps the base recipe's proportion of the run (``warmup_epochs * budget / epochs``).
 
-A table's folder holds one folder per row (``<out>/<table>/<row>/``, a pretraining run each, resumable) and
-``result.json`` per finished row; re-running the command evaluates only the missing rows, and ``--rows``
-picks some. ``table.json`` and ``table.md`` hold the whole table.
+A table's folder holds one folder per row and seed (``<out>/<table>/<row>/seed<N>/``, a pretraining run
+each, resumable) with ``result.json`` once finished; re-running the command trains and evaluates only what is
+missing (``--rows`` picks rows, ``--seeds`` the seeds), so a table can be completed over several sessions.
+``table.json`` and ``table.md`` hold the whole table: every seed's scores, their mean and spread, the plan,
+the protocol and the machine.
 """
 
 from __future__ import annotations
@@ -35,6 +59,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -314,8 +339,10 @@ def select_rows(table: Table, wanted: list[str] | None) -> list[Row]:
 def run_table(
     name: str,
     data: str | Path,
-    budget: int,
+    budget: int | None = None,
     *,
+    minutes: float | None = None,
+    seeds: tuple[int, ...] | list[int] = (0,),
     recipe: str = "cifar10_fast",
     out: str | Path = "runs/tables",
     per_class: int | None = None,
@@ -325,101 +352,189 @@ def run_table(
     k: int = 200,
     temperature: float = 0.1,
     episodes: int = 200,
+    curve_every: int = 0,
 ) -> dict[str, Any]:
-    """Train and evaluate the rows of table ``name`` (see the module docstring); returns the table's record,
-    also written to ``<out>/<name>/table.json`` and ``table.md``."""
+    """Train and evaluate the rows of table ``name`` (see the module docstring) for every seed in ``seeds``,
+    each row for ``budget`` epochs or for ``minutes`` of this machine; returns the table's record, also written
+    to ``<out>/<name>/table.json`` and ``table.md``. ``curve_every`` > 0 runs the kNN monitor on the test images
+    every that many epochs (the learning curves in each run's ``log.jsonl``; its time is not in the budget)."""
     from obow.config import load_config
     from obow.data.eval_sets import align_classes, eval_dataset
     from obow.data.folders import scan_images
-    from obow.evaluate.protocol import evaluate_backbone
     from obow.training.lock import RunLock
-    from obow.weights.load import load_backbone
 
     if name not in TABLES:
         raise ValueError(f"unknown table {name!r}; choose one of: {', '.join(TABLES)}")
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+    if (budget is None) == (minutes is None):
+        raise ValueError("give the budget either in epochs (--budget) or in minutes (--minutes), not both")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise ValueError(f"--budget must be a whole number of epochs >= 1, got {budget!r}")
+    if minutes is not None and not minutes > 0:
+        raise ValueError(f"--minutes must be > 0, got {minutes!r}")
+    seeds = tuple(seeds)
+    if not seeds or len(set(seeds)) != len(seeds) or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
+        raise ValueError(f"--seeds must be distinct whole numbers, got {list(seeds)!r}")
     table = TABLES[name]
     data = Path(data)
     train_dir = data / "train"
     test_dir = next((data / d for d in ("test", "val") if (data / d).is_dir()), None)
     if not train_dir.is_dir() or test_dir is None:
         raise ValueError(f"{data} must hold train/ and test/ (or val/) folders of class folders")
-    common = [
-        f"data.path={train_dir}",
-        "train.knn_every=0",
-        "train.progress_bar=false",
-        *(overrides or []),
-    ]
+    common = [f"data.path={train_dir}", "train.progress_bar=false", *(overrides or [])]
+    common += [f"train.knn_every={curve_every}", f"data.val_path={test_dir}"] if curve_every else ["train.knn_every=0"]
     if per_class is not None:
         common.append(f"data.images_per_class={per_class}")
     base = load_config(recipe, common)
     train_images = scan_images(train_dir, "folders", base.data.images_per_class)
     test_images = align_classes(train_images, scan_images(test_dir, "folders", test_per_class))
-    train_set, test_set = eval_dataset(train_images, base.views), eval_dataset(test_images, base.views)
+    sets = eval_dataset(train_images, base.views), eval_dataset(test_images, base.views)
     values = _placeholders(base, len(train_images))
     protocol = {"k": k, "temperature": temperature, "episodes": episodes}
+    steps_per_epoch = max(1, len(train_images) // base.data.batch_size)
     folder = Path(out) / name
+    chosen = select_rows(table, rows)
     with RunLock(folder):  # one `obow tables run` per table folder: its rows' runs and results are shared
         device = "cuda" if base.train.device != "cpu" and _cuda() else "cpu"
-
-        def finished(slug: str) -> dict[str, Any] | None:
-            path = folder / slug / "result.json"
-            return json.loads(path.read_text()) if path.exists() else None
-
-        reference = finished("random_init")
-        if reference is None:
-            net, _ = load_backbone(
-                random_init=True,
-                arch=base.model.arch,
-                stem=base.model.stem,
-                seed=base.train.seed,
-                arch_options=base.model.arch_options,
-            )
-            reference = {
-                "label": "random init",
-                "slug": "random_init",
-                "scores": evaluate_backbone(net, train_set, test_set, device=device, **protocol),
-                "steps": 0,
-                "minutes": 0.0,
-            }
-            _write(folder / "random_init" / "result.json", reference)
-
-        results = {}
-        for row in select_rows(table, rows):
-            done = finished(row.slug)
-            if done is None:
-                done = _run_row(row, folder / row.slug, recipe, common, values, budget, base)
-                net, _ = load_backbone(done.pop("checkpoint"))
-                done["scores"] = evaluate_backbone(net, train_set, test_set, device=device, **protocol)
-                _write(folder / row.slug / "result.json", done)
-            results[row.slug] = done
-            log.info("%s: %s done", name, row.label)
+        plan = _budget_plan(folder, chosen, recipe, common, values, budget, minutes, steps_per_epoch)
+        for seed in seeds:
+            _random_init_result(folder / "random_init" / f"seed{seed}", base, seed, sets, device, protocol)
+            for row in chosen:
+                result = folder / row.slug / f"seed{seed}" / "result.json"
+                if not result.exists():
+                    done = _run_row(row, result.parent, recipe, [*common, f"train.seed={seed}"], values, plan, base)
+                    done["scores"] = _scores(done.pop("checkpoint"), sets, device, protocol)
+                    _write(result, {**done, "seed": seed})
+                log.info("%s: %s, seed %d done", name, row.label, seed)
         record = {
             "table": name,
             "title": table.title,
             "note": table.note,
             "recipe": recipe,
-            "budget_epochs": budget,
+            "budget": {"epochs": budget} if minutes is None else {"minutes": minutes},
+            "plan": plan,
+            "seeds": list(seeds),
             "train_images": len(train_images),
             "test_images": len(test_images),
             "protocol": protocol,
             "overrides": list(overrides or []),
-            "random_init": reference,
+            "machine": machine_description(),
+            "random_init": _aggregate("random init", "random_init", {}, _results(folder / "random_init")),
             "rows": [],
         }
         for r in table.rows:  # rows of this call, and rows finished by earlier calls (--rows)
-            done = results.get(r.slug) or finished(r.slug)
-            if done is not None:
-                record["rows"].append({**done, "label": r.label, "paper": r.paper})
+            runs = _results(folder / r.slug)
+            if runs:
+                record["rows"].append(_aggregate(r.label, r.slug, r.paper, runs))
         _write(folder / "table.json", record)
         with writing(folder / "table.md") as path:
             path.write_text(markdown(record, table.columns))
         return record
 
 
+def _budget_plan(
+    folder: Path,
+    rows: list[Row],
+    recipe: str,
+    common: list[str],
+    values: dict,
+    budget: int | None,
+    minutes: float | None,
+    steps_per_epoch: int,
+) -> dict[str, Any]:
+    """Epochs and warm-up of every row's stages, kept in ``<table>/plan.json`` so that every seed, and every
+    later call that completes the table, trains a row the same way. A minutes budget times the rows' steps
+    (:func:`obow.experiments.budget.seconds_per_step`, in alternating rounds) the first time a row is met."""
+    from obow.config import load_config
+    from obow.experiments.budget import plan_epochs, seconds_per_step, short_run_warmup
+
+    path = folder / "plan.json"
+    wanted = {"epochs": budget} if minutes is None else {"minutes": minutes}
+    plan = json.loads(path.read_text()) if path.exists() else {"budget": wanted, "steps_per_epoch": steps_per_epoch}
+    if plan["budget"] != wanted or plan["steps_per_epoch"] != steps_per_epoch:
+        raise ValueError(
+            f"{folder} holds a table planned for {plan['budget']} and {plan['steps_per_epoch']} steps an epoch; "
+            f"this call asks for {wanted} and {steps_per_epoch}: use another --out, or the same budget and images"
+        )
+    stages = plan.setdefault("stages", {})
+    every = {f"{row.slug}/{stage.name}": stage for row in rows for stage in row.plan()}
+    missing = {key: stage for key, stage in every.items() if key not in stages}
+    if not missing:
+        return plan
+    configs = {}
+    for key, stage in missing.items():
+        items = [*common, *_fill(stage.overrides, values)]
+        if stage.teacher:
+            items.append("bownet.teacher=unused-when-timing.pt")
+        configs[key] = load_config(recipe, items)
+    timed = seconds_per_step(configs) if minutes is not None else {}
+    for key, stage in missing.items():
+        cfg = configs[key]
+        if minutes is None:
+            epochs = max(1, round(budget * stage.share))
+        else:
+            epochs = plan_epochs(minutes * stage.share, timed[key], steps_per_epoch)
+        stages[key] = {
+            "epochs": epochs,
+            "warmup_epochs": short_run_warmup(cfg.optim.warmup_epochs, epochs),
+            "seconds_per_step": timed.get(key),
+            "steps": epochs * steps_per_epoch,
+        }
+    _write(path, plan)
+    return plan
+
+
+def _random_init_result(run: Path, base: Any, seed: int, sets: tuple, device: str, protocol: dict) -> None:
+    from obow.weights.load import load_backbone
+
+    if (run / "result.json").exists():
+        return
+    net, _ = load_backbone(
+        random_init=True, arch=base.model.arch, stem=base.model.stem, seed=seed, arch_options=base.model.arch_options
+    )
+    scores = _scores(net, sets, device, protocol)
+    _write(run / "result.json", {"seed": seed, "scores": scores, "steps": 0, "minutes": 0.0})
+
+
+def _scores(network: Any, sets: tuple, device: str, protocol: dict) -> dict[str, Any]:
+    from obow.evaluate.protocol import evaluate_backbone
+    from obow.weights.load import load_backbone
+
+    if isinstance(network, (str, Path)):
+        network, _ = load_backbone(network)
+    return evaluate_backbone(network, *sets, device=device, **protocol)
+
+
+def _results(row_folder: Path) -> list[dict[str, Any]]:
+    """The finished seeds of a row, in seed order."""
+    found = [json.loads(p.read_text()) for p in row_folder.glob("seed*/result.json")]
+    return sorted(found, key=lambda r: r["seed"])
+
+
+def _aggregate(label: str, slug: str, paper: dict, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A row over its seeds: every seed's scores, and the mean and sample standard deviation of each score
+    (the standard deviation is ``None`` with one seed)."""
+    keys = [key for key, value in runs[0]["scores"].items() if isinstance(value, (int, float))] if runs else []
+    mean, std = {}, {}
+    for key in keys:
+        numbers = [r["scores"][key] for r in runs if isinstance(r["scores"].get(key), (int, float))]
+        mean[key] = statistics.fmean(numbers) if numbers else None
+        std[key] = statistics.stdev(numbers) if len(numbers) > 1 else None
+    notes = list(dict.fromkeys(n for r in runs for n in r["scores"].get("notes", [])))
+    return {
+        "label": label,
+        "slug": slug,
+        "paper": paper,
+        "runs": runs,
+        "mean": mean,
+        "std": std,
+        "notes": notes,
+        "steps": runs[0]["steps"] if runs else 0,
+        "minutes": statistics.fmean(r["minutes"] for r in runs) if runs else 0.0,
+    }
+
+
 def _run_row(
-    row: Row, folder: Path, recipe: str, common: list[str], values: dict, budget: int, base: Any
+    row: Row, folder: Path, recipe: str, common: list[str], values: dict, plan: dict, base: Any
 ) -> dict[str, Any]:
     from obow.config import load_config
     from obow.evaluate.monitor import KNNMonitor
@@ -428,9 +543,13 @@ def _run_row(
     checkpoint, steps, seconds = None, 0, 0.0
     stages = row.plan()
     for stage in stages:
-        epochs = max(1, round(budget * stage.share))
-        warmup = base.optim.warmup_epochs * epochs / base.optim.epochs
-        items = [*common, *_fill(stage.overrides, values), f"optim.epochs={epochs}", f"optim.warmup_epochs={warmup}"]
+        stage_plan = plan["stages"][f"{row.slug}/{stage.name}"]
+        items = [
+            *common,
+            *_fill(stage.overrides, values),
+            f"optim.epochs={stage_plan['epochs']}",
+            f"optim.warmup_epochs={stage_plan['warmup_epochs']}",
+        ]
         if stage.teacher:
             items.append(f"bownet.teacher={checkpoint}")
         cfg = load_config(recipe, items)
@@ -440,6 +559,26 @@ def _run_row(
         seconds += time.time() - start
         checkpoint, steps = summary["checkpoint"], steps + summary["iteration"]
     return {"label": row.label, "slug": row.slug, "checkpoint": checkpoint, "steps": steps, "minutes": seconds / 60}
+
+
+def machine_description() -> str:
+    """Where the table was measured: processor, cores and PyTorch build (tables are read against it)."""
+    import os
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpu = f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
+    return f"{cpu}, {cores} cores{gpu}; torch {torch.__version__}"
 
 
 def _cuda() -> bool:
@@ -459,34 +598,60 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _spread(row: dict[str, Any], key: str) -> str:
+    """``mean ± sd`` over the row's seeds (the mean alone with one seed), ``-`` when not measured."""
+    mean, std = row["mean"].get(key), row["std"].get(key)
+    if mean is None:
+        return "-"
+    return f"{mean:.2f}" if std is None else f"{mean:.2f} ± {std:.2f}"
+
+
+def _budget_text(record: dict[str, Any]) -> str:
+    budget = record["budget"]
+    if "minutes" in budget:
+        return (
+            f"{budget['minutes']:g} minutes of this machine per row and seed (each row's epochs from its timed "
+            "step, in whole epochs)"
+        )
+    return f"{budget['epochs']} epoch(s) per row"
+
+
 def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
-    """The table: the paper's numbers beside this run's, then kNN and effective rank, and a random-init row."""
+    """The table: the paper's numbers beside this run's (mean ± standard deviation over the seeds), then kNN,
+    its gain over the random init of the same network, the effective rank and the budget of each row."""
     paper_cols = " | ".join(f"paper {c}" for c in columns)
     ours_cols = " | ".join(columns)
+    seeds = ", ".join(str(s) for s in record["seeds"])
+    protocol = record["protocol"]
     lines = [
         f"### {record['title']}",
         "",
-        f"{record['note']}. Recipe `{record['recipe']}`, {record['budget_epochs']} epoch(s) per row on "
-        f"{record['train_images']} training images; evaluated on {record['test_images']} test images (kNN k="
-        f"{record['protocol']['k']}, T={record['protocol']['temperature']}; few-shot {record['protocol']['episodes']} "
-        "episodes).",
+        f"{record['note']}. Recipe `{record['recipe']}`, {_budget_text(record)}, on {record['train_images']} training "
+        f"images; seeds {seeds} (mean ± sample standard deviation); evaluated on {record['test_images']} test images "
+        f"(kNN k={protocol['k']}, T={protocol['temperature']}; few-shot {protocol['episodes']} episodes). "
+        f"Machine: {record.get('machine', 'not recorded')}.",
         "",
-        f"| row | {paper_cols} | {ours_cols} | kNN | eff. rank | steps | train min |",
-        "|---|" + "---|" * (2 * len(columns) + 4),
+        f"| row | {paper_cols} | {ours_cols} | kNN | kNN gain | eff. rank | seeds | steps | s/step | train min |",
+        "|---|" + "---|" * (2 * len(columns) + 7),
     ]
+    reference = record["random_init"]["mean"].get("knn")
+    stages = record.get("plan", {}).get("stages", {})
 
-    def line(label: str, paper: dict, result: dict) -> str:
-        s = result["scores"]
-        theirs = " | ".join(_fmt(paper.get(c)) for c in columns)
-        ours = " | ".join(_fmt(s.get(COLUMNS[c])) for c in columns)
+    def line(label: str, row: dict) -> str:
+        theirs = " | ".join(_fmt(row["paper"].get(c)) for c in columns)
+        ours = " | ".join(_spread(row, COLUMNS[c]) for c in columns)
+        knn = row["mean"].get("knn")
+        gain = "-" if knn is None or reference is None or row["slug"] == "random_init" else f"{knn - reference:+.2f}"
+        timed = [v["seconds_per_step"] for key, v in stages.items() if key.startswith(row["slug"] + "/")]
+        per_step = "-" if not timed or None in timed else " + ".join(f"{t:.2f}" for t in timed)
         return (
-            f"| {label} | {theirs} | {ours} | {_fmt(s.get('knn'))} | {_fmt(s.get('effective_rank'))} | "
-            f"{result['steps']} | {result['minutes']:.1f} |"
+            f"| {label} | {theirs} | {ours} | {_spread(row, 'knn')} | {gain} | {_spread(row, 'effective_rank')} | "
+            f"{len(row['runs'])} | {row['steps']} | {per_step} | {row['minutes']:.1f} |"
         )
 
-    lines.append(line("random init (same network)", {}, record["random_init"]))
+    lines.append(line("random init (same network)", record["random_init"]))
     for r in record["rows"]:
-        lines.append(line(r["label"], r["paper"], r))
-    notes = dict.fromkeys(n for r in (record["random_init"], *record["rows"]) for n in r["scores"].get("notes", []))
+        lines.append(line(r["label"], r))
+    notes = dict.fromkeys(n for r in (record["random_init"], *record["rows"]) for n in r["notes"])
     lines.extend(["", *(f"- `-`: {note}" for note in notes)] if notes else [])
     return "\n".join(lines) + "\n"

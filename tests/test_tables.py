@@ -98,7 +98,7 @@ def test_seconds_per_step_times_every_config_in_alternating_rounds(tmp_path, wri
         "obow": load_config(recipe, base),
         "moco": load_config(recipe, [*base, "model.method=mocov2", "moco.queue_size=16"]),
     }
-    timed = seconds_per_step(configs, rounds=3)
+    timed = seconds_per_step(configs, rounds=2, block=2)
     assert set(timed) == {"obow", "moco"} and all(0 < t < 60 for t in timed.values())
 
 

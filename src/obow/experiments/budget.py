@@ -7,10 +7,9 @@ rounds**, so that the machine's noise (a neighbour's job, frequency changes) fal
 their *ratio* is what it is on a quiet machine; :func:`plan_epochs` turns minutes into whole epochs;
 :func:`short_run_warmup` is the warm-up rule for runs shorter than their recipe.
 
-The timed step is the training loop's own (loader, ``forward_backward`` under the recipe's precision, the
-optimiser), with the batches loaded in the timing process (``num_workers=0``): on a 2-core machine the
-loader's augmentations compete with the step for the same cores, so a serial step is the honest price of an
-image, and it charges a recipe with more views for its dearer augmentations.
+The timed step is the training loop's own: its loader and workers, its thread choice, ``forward_backward``
+under the recipe's precision, the optimiser. On a 2-core machine the loader's augmentations compete with the
+step for the cores, so a recipe with more views also pays for its dearer augmentations.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import replace
 from typing import Any
 
 log = logging.getLogger("obow")
@@ -47,55 +45,56 @@ def short_run_warmup(recipe_warmup_epochs: float, epochs: int) -> float:
     return min(float(recipe_warmup_epochs), epochs / 2)
 
 
-def seconds_per_step(configs: dict[str, Any], rounds: int = 4, skip: int = 1) -> dict[str, float]:
-    """Median seconds of a training step of every config in ``configs`` (name -> :class:`obow.config.Config`),
-    timed in ``skip + rounds`` alternating rounds (one step of each config per round; the first ``skip`` rounds
-    warm up and are not counted). Steps run on the CPU (or the config's CUDA device) with the config's batch,
-    views, precision and memory format, loading their batch in this process."""
+def seconds_per_step(configs: dict[str, Any], rounds: int = 3, block: int = 4) -> dict[str, float]:
+    """Median seconds of a training step of every config in ``configs`` (name -> :class:`obow.config.Config`).
+
+    Each config is run as its training run would be: its loader and data-loading workers, the loop's thread
+    choice (:func:`obow.training.loop.chosen_threads`), batch, views, precision and memory format. The configs
+    take turns, ``block`` consecutive steps each, for ``rounds`` rounds; the first step of every block is not
+    counted (its batch may have been loaded while another config ran), so a counted step costs what it costs
+    in a run: the step, or the loading when that is slower. Turns spread the machine's noise over all configs."""
     import torch
 
-    from obow.data.folders import EpochSampler, ImageDataset, build_loader, scan_images
-    from obow.methods import build_views
-    from obow.training.loop import build_model, build_optimizer, forward_backward, precision_context, to_device
+    from obow.training.loop import (
+        build_data,
+        build_model,
+        build_optimizer,
+        chosen_threads,
+        forward_backward,
+        precision_context,
+        to_device,
+    )
 
-    if rounds < 1 or skip < 0:
-        raise ValueError(f"need rounds >= 1 and skip >= 0, got {rounds} and {skip}")
+    if rounds < 1 or block < 2:
+        raise ValueError(f"need rounds >= 1 and block >= 2, got {rounds} and {block}")
     cuda = torch.cuda.is_available() and any(_wants_cuda(c) for c in configs.values())
     device = torch.device("cuda" if cuda else "cpu")
-    steps: dict[str, Any] = {}
+    runs: dict[str, Any] = {}
     for name, cfg in configs.items():
-        cfg = replace(cfg, data=replace(cfg.data, num_workers=0))
-        images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
-        sampler = EpochSampler(len(images), cfg.data.batch_size, seed=cfg.train.seed)
-        loader = build_loader(ImageDataset(images, build_views(cfg)), sampler, cfg.data.batch_size)
-        batches = _endless(loader, sampler)
+        _, sampler, loader = build_data(cfg, device)
         model = build_model(cfg, total_iterations=1000, device=device, resuming=True).train()
-        optimizer = build_optimizer(model, cfg)
-        scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
-        per_group = cfg.train.backward_per_group and model.supports_groups
-
-        def step(cfg=cfg, batches=batches, model=model, optimizer=optimizer, scaler=scaler, per_group=per_group):
-            batch = next(batches)
-            teacher, views = to_device(batch["image"], device, cfg.train.channels_last)
-            optimizer.zero_grad(set_to_none=True)
-            autocast = precision_context(cfg.train.precision, device)
-            forward_backward(model, teacher, views, scaler, autocast, per_group)
-            scaler.step(optimizer)
-            scaler.update()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-
-        steps[name] = step
+        runs[name] = (cfg, _endless(loader, sampler), model, build_optimizer(model, cfg))
     times: dict[str, list[float]] = {name: [] for name in configs}
-    for r in range(skip + rounds):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            if r >= skip:
-                times[name].append(time.perf_counter() - start)
+    for _ in range(rounds):
+        for name, (cfg, batches, model, optimizer) in runs.items():
+            scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
+            per_group = cfg.train.backward_per_group and model.supports_groups
+            with chosen_threads(cfg):
+                for i in range(block):
+                    start = time.perf_counter()
+                    teacher, views = to_device(next(batches)["image"], device, cfg.train.channels_last)
+                    optimizer.zero_grad(set_to_none=True)
+                    autocast = precision_context(cfg.train.precision, device)
+                    forward_backward(model, teacher, views, scaler, autocast, per_group)
+                    scaler.step(optimizer)
+                    scaler.update()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    if i > 0:
+                        times[name].append(time.perf_counter() - start)
     result = {name: statistics.median(t) for name, t in times.items()}
     for name, seconds in result.items():
-        log.info("timed %s: %.2f s a step (median of %d, alternating rounds)", name, seconds, rounds)
+        log.info("timed %s: %.2f s a step (median of %d, in turns)", name, seconds, len(times[name]))
     return result
 
 

@@ -453,8 +453,8 @@ def setup_process(cfg: Config) -> torch.device:
     if cfg.train.precision == "bf16" and device.type == "cpu" and cpu_supports_bf16() is False:
         log_main(
             "train.precision=bf16 on a CPU without AVX-512: PyTorch emulates bfloat16 there, and a step is far "
-            "slower than in fp32 (35 times for the demo recipe on a 2-core AVX2 EPYC; benchmarks/step_time.py "
-            "measures it); train.precision=fp32 is the faster choice on this machine",
+            "slower than in fp32 (20 to 35 times for the cifar10_fast and demo recipes on a 2-core AVX2 EPYC; "
+            "benchmarks/step_time.py measures it); train.precision=fp32 is the faster choice on this machine",
             level=logging.WARNING,
         )
     return device

@@ -15,11 +15,14 @@ most 0.011 (full width) and 0.012 (narrow) over three seeds, means below 0.01 fo
 """
 
 import copy
+import logging
 
+import pytest
 import torch
 
-from obow.config import ModelConfig
+from obow.config import ModelConfig, load_config
 from obow.methods.obow import OBoW
+from obow.training import loop
 
 
 def test_bf16_step_runs_and_targets_match_float32():
@@ -53,3 +56,23 @@ def test_bf16_step_runs_and_targets_match_float32():
         assert tv.max() < 0.05 and tv.mean() < 0.02, (level, tv)
         assert not torch.equal(t16, t32)  # bf16 really was used upstream
     torch.testing.assert_close(out.loss.float(), ref.loss, rtol=0.05, atol=0.05)
+
+
+def test_pytorch_says_whether_this_cpu_has_fast_bf16():
+    assert isinstance(loop.cpu_supports_bf16(), bool)  # None would silence the warning below everywhere
+
+
+@pytest.mark.parametrize(
+    ("precision", "fast_bf16", "warned"),
+    [("bf16", False, True), ("bf16", True, False), ("bf16", None, False), ("fp32", False, False)],
+)
+def test_bf16_on_a_cpu_without_fast_bf16_runs_there_with_a_warning(
+    monkeypatch, caplog, tiny_recipe, precision, fast_bf16, warned
+):
+    monkeypatch.setattr(loop, "cpu_supports_bf16", lambda: fast_bf16)
+    overrides = [f"train.precision={precision}", "train.device=cpu", "train.deterministic=false"]
+    cfg = load_config(str(tiny_recipe), overrides)
+    with caplog.at_level(logging.WARNING, logger="obow"):
+        device = loop.setup_process(cfg)
+    assert device.type == "cpu"  # still runs, on the device asked for, at the precision asked for
+    assert ("emulates bfloat16" in caplog.text) == warned

@@ -381,9 +381,9 @@ def make_monitor(
     return factory(cfg, images, device)
 
 
-def log_main(message: str, *args: Any) -> None:
+def log_main(message: str, *args: Any, level: int = logging.INFO) -> None:
     if D.is_main_process():
-        log.info(message, *args)
+        log.log(level, message, *args)
 
 
 def summary(out: Path, state: RunState) -> dict[str, Any]:
@@ -450,7 +450,21 @@ def setup_process(cfg: Config) -> torch.device:
         torch.use_deterministic_algorithms(True)
     if cfg.train.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise RunError("train.precision=bf16 needs a GPU with bfloat16 support; use fp16 or fp32")
+    if cfg.train.precision == "bf16" and device.type == "cpu" and cpu_supports_bf16() is False:
+        log_main(
+            "train.precision=bf16 on a CPU without AVX-512: PyTorch emulates bfloat16 there, and a step is far "
+            "slower than in fp32 (20 to 35 times for the cifar10_fast and demo recipes on a 2-core AVX2 EPYC; "
+            "benchmarks/step_time.py measures it); train.precision=fp32 is the faster choice on this machine",
+            level=logging.WARNING,
+        )
     return device
+
+
+def cpu_supports_bf16() -> bool | None:
+    """Whether PyTorch's oneDNN has fast bfloat16 kernels for this CPU (they need AVX-512 or Arm's bf16
+    extension); ``None`` when this PyTorch cannot say."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else None
 
 
 @contextlib.contextmanager

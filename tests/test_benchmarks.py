@@ -1,0 +1,103 @@
+"""The benchmark scripts' own logic: ``benchmarks/step_time.py`` (interleaved timing, speed-ups, any arch)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from obow.config import load_config
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def flat(net: torch.nn.Module) -> torch.Tensor:
+    """A copy of every parameter in one vector (``reshape``: channels_last weights are not views of one)."""
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+@pytest.fixture(scope="module")
+def step_time():
+    return load_script("step_time")
+
+
+def test_round_order_puts_every_setting_in_every_position_equally_often(step_time):
+    names = ["fp32", "bf16", "fp32 + channels_last", "bf16 + channels_last"]
+    orders = [step_time.round_order(names, r) for r in range(8)]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    for position in range(len(names)):
+        assert sorted(order[position] for order in orders) == sorted(names * 2)
+
+
+def test_speedups_are_the_ratio_of_medians_and_the_median_of_paired_ratios(step_time):
+    times = {"fp32": [2.0, 4.0, 3.0], "bf16": [1.0, 1.0, 6.0]}  # medians 3 and 1; round ratios 2, 4, 0.5
+    ratios = step_time.speedups(times, "fp32")
+    assert ratios["fp32"] == (1.0, 1.0)
+    assert ratios["bf16"] == pytest.approx((3.0, 2.0))
+
+
+def test_synthetic_batch_has_the_recipe_view_shapes(step_time, tiny_recipe):
+    cfg = load_config(str(tiny_recipe))
+    batch = step_time.synthetic_batch(cfg)
+    v, b = cfg.views, cfg.data.batch_size
+    assert batch["teacher"].shape == (b, 3, v.teacher_size, v.teacher_size)
+    assert batch["crops"].shape == (b, v.num_crops, 3, v.crop_size, v.crop_size)
+    assert batch["patches"].shape == (b, v.num_patches, 3, v.patch_size, v.patch_size)
+
+
+def test_compare_times_the_loop_step_on_a_timm_arch_and_prints_the_bf16_ratio(step_time, tiny_recipe, capsys):
+    threads = torch.get_num_threads()
+    step_time.main(
+        ["--config", str(tiny_recipe), "--precision", "bf16", "--warmup", "0", "--repeats", "2", "--threads", "1"]
+    )
+    torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "timm:resnet18" in out and "CPU, 1 threads" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "setting" not in line]
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "fp32",
+        "bf16",
+        "fp32 + channels_last",
+        "bf16 + channels_last",
+    ]
+    assert float(rows[0].split("|")[4]) == 1.0  # fp32 against itself
+    ratio = re.search(r"^fp32 / bf16: (\d+\.\d+) \(ratio of medians; (\d+\.\d+) median", out, re.MULTILINE)
+    assert ratio and float(ratio.group(1)) > 0 and float(ratio.group(2)) > 0
+
+
+def test_the_timed_step_is_a_training_step_at_the_setting_asked_for(step_time, tiny_recipe):
+    """Every setting starts from the same weights and batch: one step in fp32 + channels_last moves the student
+    where fp32 does (up to summation order), one in bf16 elsewhere (bf16 really is used)."""
+    args = step_time.parse_args(["--config", str(tiny_recipe)])
+    batch = step_time.synthetic_batch(step_time.recipe(args, "fp32", False))
+    students = {}
+    for setting in (("fp32", False), ("fp32", True), ("bf16", False)):
+        run = step_time.training_run(step_time.recipe(args, *setting), torch.device("cpu"))
+        before = flat(run.model.student)
+        torch.manual_seed(1)
+        step_time.timed_step(run, batch)()
+        students[setting] = flat(run.model.student)
+        assert (students[setting] - before).abs().max() > 1e-4  # a real step
+    fp32 = students["fp32", False]
+    torch.testing.assert_close(students["fp32", True], fp32, rtol=1e-4, atol=1e-5)
+    assert (students["bf16", False] - fp32).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("mode", ["floor", "supervised"])
+def test_breakdown_steps_build_any_arch(step_time, tiny_recipe, mode):
+    """The floor and the supervised step on a timm backbone (the supervised step once took torchvision names only)."""
+    args = step_time.parse_args(
+        ["--config", str(tiny_recipe), "--warmup", "0", "--repeats", "1", "--supervised-size", "0"]
+    )
+    result = step_time.measure(args, mode)
+    assert result["median_s"] > 0 and result["memory_mib"] > 0

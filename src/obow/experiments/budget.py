@@ -49,7 +49,7 @@ def seconds_per_step(configs: dict[str, Any], rounds: int = 3, block: int = 4) -
     """Median seconds of a training step of every config in ``configs`` (name -> :class:`obow.config.Config`).
 
     Each config is run as its training run would be: its loader and data-loading workers, the loop's thread
-    choice (:func:`obow.training.loop.chosen_threads`), batch, views, precision and memory format. The configs
+    choice (:func:`obow.training.loop.choose_threads`), batch, views, precision and memory format. The configs
     take turns, ``block`` consecutive steps each, for ``rounds`` rounds; the first step of every block is not
     counted (its batch may have been loaded while another config ran), so a counted step costs what it costs
     in a run: the step, or the loading when that is slower. Turns spread the machine's noise over all configs."""
@@ -59,7 +59,7 @@ def seconds_per_step(configs: dict[str, Any], rounds: int = 3, block: int = 4) -
         build_data,
         build_model,
         build_optimizer,
-        chosen_threads,
+        choose_threads,
         forward_backward,
         precision_context,
         to_device,
@@ -75,11 +75,13 @@ def seconds_per_step(configs: dict[str, Any], rounds: int = 3, block: int = 4) -
         model = build_model(cfg, total_iterations=1000, device=device, resuming=True).train()
         runs[name] = (cfg, _endless(loader, sampler), model, build_optimizer(model, cfg))
     times: dict[str, list[float]] = {name: [] for name in configs}
+    previous = torch.get_num_threads()
     for _ in range(rounds):
         for name, (cfg, batches, model, optimizer) in runs.items():
             scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
             per_group = cfg.train.backward_per_group and model.supports_groups
-            with chosen_threads(cfg):
+            torch.set_num_threads(choose_threads(cfg)[0])  # the run's choice (its header says it once)
+            try:
                 for i in range(block):
                     start = time.perf_counter()
                     teacher, views = to_device(next(batches)["image"], device, cfg.train.channels_last)
@@ -92,6 +94,8 @@ def seconds_per_step(configs: dict[str, Any], rounds: int = 3, block: int = 4) -
                         torch.cuda.synchronize(device)
                     if i > 0:
                         times[name].append(time.perf_counter() - start)
+            finally:
+                torch.set_num_threads(previous)
     result = {name: statistics.median(t) for name, t in times.items()}
     for name, seconds in result.items():
         log.info("timed %s: %.2f s a step (median of %d, in turns)", name, seconds, len(times[name]))

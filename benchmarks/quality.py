@@ -19,7 +19,8 @@ It prints one table and writes ``<out>/quality.json``. Runs are resumable: a fin
         --run "fast cifar10_fast" --per-class 500 --test-per-class 200
 
 Budgets: ``optim.epochs`` (an override) fixes the steps; ``--minutes M`` instead times a few steps of each
-run first and sets ``optim.epochs`` to what fits in M minutes (warm-up scaled with it). The wall time of the
+run first (:func:`obow.experiments.budget.seconds_per_step`) and sets ``optim.epochs`` to the whole epochs that
+fit in M minutes, keeping the recipe's warm-up up to half the run (the tables' rule). The wall time of the
 pretraining is measured and reported either way; on a shared machine it is longer than on an idle one.
 """
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import sys
 import time
@@ -40,6 +40,7 @@ from obow.data.eval_sets import align_classes, eval_dataset
 from obow.data.folders import scan_images
 from obow.evaluate.monitor import KNNMonitor
 from obow.evaluate.protocol import evaluate_backbone
+from obow.experiments.budget import plan_epochs, seconds_per_step, short_run_warmup
 from obow.files import WriteError, writing
 from obow.training.lock import FolderInUse, RunLock
 from obow.training.loop import pretrain
@@ -58,33 +59,6 @@ def test_folder(data: Path) -> Path:
         if (data / name).is_dir():
             return data / name
     raise SystemExit(f"{data} has no test/ or val/ folder")
-
-
-def time_steps(cfg, steps: int = 6) -> float:
-    """Seconds per optimisation step of ``cfg`` (data loading included): the mean over the steps after the
-    first two, with the real loader, model and optimiser."""
-    from obow.data.folders import EpochSampler, ImageDataset, build_loader
-    from obow.methods import build_method, build_views
-    from obow.training.loop import build_optimizer, forward_backward, precision_context, to_device
-
-    images = scan_images(cfg.data.path, "folders", cfg.data.images_per_class)
-    sampler = EpochSampler(len(images), cfg.data.batch_size, seed=cfg.train.seed)
-    loader = build_loader(ImageDataset(images, build_views(cfg)), sampler, cfg.data.batch_size, cfg.data.num_workers)
-    model = build_method(cfg, total_iterations=1000).train()
-    optimizer = build_optimizer(model, cfg)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    stamps = []
-    for i, batch in enumerate(loader):
-        teacher, views = to_device(batch["image"], torch.device("cpu"), cfg.train.channels_last)
-        optimizer.zero_grad(set_to_none=True)
-        per_group = getattr(model, "supports_groups", True)
-        forward_backward(model, teacher, views, scaler, precision_context("fp32", torch.device("cpu")), per_group)
-        optimizer.step()
-        stamps.append(time.time())
-        if i + 1 == steps:
-            break
-    deltas = [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]
-    return sum(deltas) / max(len(deltas), 1)
 
 
 def evaluate(backbone: torch.nn.Module, train_set, test_set, k: int, temperature: float) -> dict[str, float]:
@@ -119,9 +93,9 @@ def main() -> int:
                 per_epoch = len(scan_images(train_dir, "folders", probe_cfg.data.images_per_class)) // (
                     probe_cfg.data.batch_size
                 )
-                seconds = time_steps(probe_cfg)
-                epochs = max(1, math.floor(args.minutes * 60 / (seconds * per_epoch)))
-                warmup = min(probe_cfg.optim.warmup_epochs, epochs / 2) if epochs > 1 else 0
+                seconds = seconds_per_step({name: probe_cfg})[name]
+                epochs = plan_epochs(args.minutes, seconds, per_epoch)
+                warmup = short_run_warmup(probe_cfg.optim.warmup_epochs, epochs)
                 overrides += [f"optim.epochs={epochs}", f"optim.warmup_epochs={warmup}"]
                 print(f"{name}: {seconds:.2f} s/step, {per_epoch} steps/epoch -> {epochs} epochs", flush=True)
             cfg = load_config(recipe, overrides)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -101,3 +102,23 @@ def test_breakdown_steps_build_any_arch(step_time, tiny_recipe, mode):
     )
     result = step_time.measure(args, mode)
     assert result["median_s"] > 0 and result["memory_mib"] > 0
+
+
+def test_quality_minutes_budget_plans_whole_epochs_and_the_tables_warmup(
+    tiny_recipe, write_images, tmp_path, monkeypatch
+):
+    """``benchmarks/quality.py --minutes``: the run is timed, given the whole epochs that fit (at least one)
+    and the recipe's warm-up up to half the run, then compared with its random init in ``quality.json``."""
+    quality = load_script("quality")
+    write_images(tmp_path / "data" / "train", per_class=8, size=32)
+    write_images(tmp_path / "data" / "test", per_class=4, size=32, seed=1)
+    argv = ["quality.py", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "q"), "--minutes", "0.001"]
+    monkeypatch.setattr("sys.argv", [*argv, "--k", "3", "--run", f"tiny {tiny_recipe} data.num_workers=0"])
+    assert quality.main() == 0
+    (row,) = json.loads((tmp_path / "q" / "quality.json").read_text())
+    saved = load_config(tmp_path / "q" / "tiny" / "config.yaml")
+    assert saved.optim.epochs == 1 and saved.optim.warmup_epochs == 0.5
+    assert (
+        row["steps"] == 16 // saved.data.batch_size
+        and row["knn_gain"] == row["pretrained"]["knn"] - row["random_init"]["knn"]
+    )

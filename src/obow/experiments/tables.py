@@ -396,6 +396,36 @@ def run_table(
     with RunLock(folder):  # one `obow tables run` per table folder: its rows' runs and results are shared
         device = "cuda" if base.train.device != "cpu" and _cuda() else "cpu"
         plan = _budget_plan(folder, chosen, recipe, common, values, budget, minutes, steps_per_epoch)
+
+        def write_table() -> dict[str, Any]:
+            """``table.json`` and ``table.md`` from every result in the folder (this call's and earlier ones'),
+            rewritten after each finished run so that an interrupted table still shows what it has."""
+            record = {
+                "table": name,
+                "title": table.title,
+                "note": table.note,
+                "recipe": recipe,
+                "budget": plan["budget"],
+                "plan": plan,
+                "train_images": len(train_images),
+                "test_images": len(test_images),
+                "protocol": protocol,
+                "overrides": list(overrides or []),
+                "machine": machine_description(),
+                "random_init": _aggregate("random init", "random_init", {}, _results(folder / "random_init")),
+                "rows": [],
+            }
+            for r in table.rows:  # rows of this call, and rows finished by earlier calls (--rows)
+                runs = _results(folder / r.slug)
+                if runs:
+                    record["rows"].append(_aggregate(r.label, r.slug, r.paper, runs))
+            found = {run["seed"] for r in (record["random_init"], *record["rows"]) for run in r["runs"]}
+            record["seeds"] = sorted(found)
+            _write(folder / "table.json", record)
+            with writing(folder / "table.md") as path:
+                path.write_text(markdown(record, table.columns))
+            return record
+
         for seed in seeds:
             _random_init_result(folder / "random_init" / f"seed{seed}", base, seed, sets, device, protocol)
             for row in chosen:
@@ -404,30 +434,9 @@ def run_table(
                     done = _run_row(row, result.parent, recipe, [*common, f"train.seed={seed}"], values, plan, base)
                     done["scores"] = _scores(done.pop("checkpoint"), sets, device, protocol)
                     _write(result, {**done, "seed": seed})
+                    write_table()
                 log.info("%s: %s, seed %d done", name, row.label, seed)
-        record = {
-            "table": name,
-            "title": table.title,
-            "note": table.note,
-            "recipe": recipe,
-            "budget": {"epochs": budget} if minutes is None else {"minutes": minutes},
-            "plan": plan,
-            "seeds": list(seeds),
-            "train_images": len(train_images),
-            "test_images": len(test_images),
-            "protocol": protocol,
-            "overrides": list(overrides or []),
-            "machine": machine_description(),
-            "random_init": _aggregate("random init", "random_init", {}, _results(folder / "random_init")),
-            "rows": [],
-        }
-        for r in table.rows:  # rows of this call, and rows finished by earlier calls (--rows)
-            runs = _results(folder / r.slug)
-            if runs:
-                record["rows"].append(_aggregate(r.label, r.slug, r.paper, runs))
-        _write(folder / "table.json", record)
-        with writing(folder / "table.md") as path:
-            path.write_text(markdown(record, table.columns))
+        record = write_table()
         return record
 
 

@@ -474,6 +474,9 @@ def chosen_threads(cfg: Config) -> Iterator[None]:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     log_main("Threads: %d per training process (%s); 1 per data-loading worker", threads, why)
+    hint = busy_machine_hint(threads, why)
+    if hint:
+        log_main("Threads: %s", hint, level=logging.WARNING)
     try:
         yield
     finally:
@@ -482,21 +485,45 @@ def chosen_threads(cfg: Config) -> Iterator[None]:
 
 def choose_threads(cfg: Config, environ: dict[str, str] | None = None, cores: int | None = None) -> tuple[int, str]:
     """Intra-op threads for each training process, and why: ``train.threads`` when set; else the user's
-    ``OMP_NUM_THREADS``; else the cores this process may use, shared by the training processes of this machine,
-    less one per data-loading worker (each worker computes on a core of its own, with one thread: PyTorch's
-    default in workers). Oversubscribed cores cost far more than an idle one: on a busy 2-core machine a tiny
-    run took 43.5 s an epoch with PyTorch's default (every core) beside its worker, 2.0 s with one thread."""
+    ``OMP_NUM_THREADS``; else the cores this process may use, shared by the training processes of this machine
+    (``LOCAL_WORLD_SIZE``). Data-loading workers are not subtracted: on a quiet 2-core machine they need little
+    of a core for small images, and one training thread beside one worker gave 0.58x the images/s of two
+    threads (``cifar10_fast``) and 0.68x (``demo``) (``benchmarks/threads.py``). On a machine that other jobs
+    keep busy the opposite holds (one thread was 3.3x faster there): :func:`busy_machine_hint` says so."""
     environ = os.environ if environ is None else environ
     if cfg.train.threads:
         return cfg.train.threads, "train.threads"
     if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
         return int(environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = available_cores()
     processes = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
-    workers = cfg.data.num_workers
-    threads = max(1, cores // processes - workers)
-    return threads, f"{cores} cores, {processes} training process(es) here, {workers} loader worker(s) each"
+    threads = max(1, cores // processes)
+    return threads, f"{cores} cores, {processes} training process(es) here"
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def busy_machine_hint(threads: int, why: str, load: float | None = None, cores: int | None = None) -> str | None:
+    """A hint when the machine was busy before the run started (the 1-minute load average at least its cores)
+    and the threads were chosen, not set: oversubscribed cores make each step wait for its slowest thread (a
+    tiny run took 43.5 s an epoch with 2 threads beside a neighbour's job, 2.0 s with one)."""
+    if why in ("train.threads", "OMP_NUM_THREADS"):
+        return None
+    cores = available_cores() if cores is None else cores
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            return None
+    if load < cores or threads == 1:
+        return None
+    return (
+        f"this machine is busy (load {load:.1f} on {cores} cores): if other jobs keep running, one thread per "
+        "process (OMP_NUM_THREADS=1 or train.threads=1) can be several times faster"
+    )
 
 
 def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:

@@ -87,7 +87,7 @@ def test_a_few_shot_column_the_test_set_cannot_fill_says_why():
     import torch
 
     from obow.evaluate.protocol import evaluate_features
-    from obow.experiments.tables import markdown
+    from obow.experiments.tables import _aggregate, markdown
 
     train_x, train_y = torch.randn(12, 4), torch.arange(12) % 3
     test_x, test_y = torch.randn(9, 4), torch.arange(9) % 3  # 3 images per class: 1-shot yes, 5-shot no
@@ -95,17 +95,20 @@ def test_a_few_shot_column_the_test_set_cannot_fill_says_why():
     assert "fewshot_1" in scores and "fewshot_5" not in scores
     note = "5-shot not measured: episodes need 5 support and 1 query image per class; the smallest test class has 3"
     assert scores["notes"] == [note]
-    row = {"scores": scores, "steps": 0, "minutes": 0.0}
+    run = {"seed": 0, "scores": scores, "steps": 0, "minutes": 0.0}
     record = {
         "title": "t",
         "note": "n",
         "recipe": "r",
-        "budget_epochs": 1,
+        "budget": {"epochs": 1},
+        "seeds": [0],
         "train_images": 12,
         "test_images": 9,
         "protocol": {"k": 5, "temperature": 0.1, "episodes": 5},
-        "random_init": row,
-        "rows": [{**row, "label": "a", "paper": {}}],
+        "random_init": _aggregate("random init", "random_init", {}, [run]),
+        "rows": [_aggregate("a", "a", {}, [run])],
     }
     table = markdown(record, ("1-shot", "5-shot"))
     assert table.count(note) == 1 and table.rstrip().endswith(f"- `-`: {note}")
+    cells = [c.strip() for c in table.splitlines()[-3].split("|")[1:-1]]  # row a: label, 2 paper, 1-shot, 5-shot
+    assert cells[0] == "a" and cells[3] != "-" and cells[4] == "-"

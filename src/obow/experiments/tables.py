@@ -431,7 +431,7 @@ def run_table(
             for row in chosen:
                 result = folder / row.slug / f"seed{seed}" / "result.json"
                 if not result.exists():
-                    done = _run_row(row, result.parent, recipe, [*common, f"train.seed={seed}"], values, plan, base)
+                    done = _run_row(row, result.parent, recipe, [*common, f"train.seed={seed}"], values, plan)
                     done["scores"] = _scores(done.pop("checkpoint"), sets, device, protocol)
                     _write(result, {**done, "seed": seed})
                     write_table()
@@ -542,9 +542,7 @@ def _aggregate(label: str, slug: str, paper: dict, runs: list[dict[str, Any]]) -
     }
 
 
-def _run_row(
-    row: Row, folder: Path, recipe: str, common: list[str], values: dict, plan: dict, base: Any
-) -> dict[str, Any]:
+def _run_row(row: Row, folder: Path, recipe: str, common: list[str], values: dict, plan: dict) -> dict[str, Any]:
     from obow.config import load_config
     from obow.evaluate.monitor import KNNMonitor
     from obow.training.loop import pretrain

@@ -139,6 +139,23 @@ def test_tiny_minutes_table_with_two_seeds_plans_trains_and_aggregates(tmp_path,
         run_table("table3", data, 2, recipe=str(recipe), out=out, rows=["4"], k=5, episodes=5)
 
 
+def test_plan_only_times_the_rows_and_trains_nothing_then_the_run_keeps_that_plan(tmp_path, write_images, obow_cli):
+    recipe, data, out = _tiny_table(tmp_path, write_images)
+    args = ["tables", "run", "table3", "--data", data, "--minutes", "0.001", "--recipe", recipe, "--out", out]
+    printed = obow_cli(*args, "--rows", "4", "--plan-only").out
+    folder = out / "table3"
+    plan = json.loads((folder / "plan.json").read_text())
+    assert json.loads(printed[: printed.rindex("}") + 1]) == plan and "without --plan-only" in printed
+    assert set(plan["stages"]) == {"hard_fixed/pretrain"} and plan["stages"]["hard_fixed/pretrain"]["steps"] == 2
+    assert sorted(p.name for p in folder.iterdir() if p.name != ".obow.lock") == ["plan.json"]  # nothing trained
+
+    timed = plan["stages"]["hard_fixed/pretrain"]["seconds_per_step"]
+    obow_cli(*args, "--rows", "4", "--k", "5", "--episodes", "5")  # trains with the plan, not a new timing
+    assert json.loads((folder / "plan.json").read_text())["stages"]["hard_fixed/pretrain"]["seconds_per_step"] == timed
+    record = json.loads((folder / "table.json").read_text())
+    assert record["plan"] == plan and record["rows"][0]["runs"][0]["steps"] == 2
+
+
 def test_tiny_table3_run_writes_the_table_and_resumes_without_retraining(tmp_path, write_images, obow_cli):
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(TINY)

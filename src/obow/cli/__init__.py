@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import logging
 import os
 import signal
@@ -150,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rows", nargs="+", default=None, help="only these rows (numbers, labels or folder names)")
     r.add_argument("--k", type=int, default=200, help="kNN neighbours (default 200)")
     r.add_argument("--episodes", type=int, default=200, help="few-shot episodes (default 200)")
+    r.add_argument(
+        "--plan-only", action="store_true", help="time the rows and write plan.json, train nothing (see docs)"
+    )
     r.add_argument("overrides", nargs="*", metavar="key=value", help="changes to the base recipe for every row")
     r.set_defaults(func=cmd_tables_run)
     return parser
@@ -243,9 +247,14 @@ def cmd_tables_run(args: argparse.Namespace) -> int:
             overrides=list(args.overrides),
             k=args.k,
             episodes=args.episodes,
+            plan_only=args.plan_only,
         )
     except Interrupted as err:
         return exit_code(err)
+    if args.plan_only:
+        print(json.dumps(record, indent=2))
+        print(f"written: {Path(args.out) / args.name / 'plan.json'}; the same command without --plan-only trains it")
+        return 0
     print(markdown(record, TABLES[args.name].columns))
     print(f"written: {Path(args.out) / args.name / 'table.md'} and table.json")
     return 0

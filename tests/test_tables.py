@@ -156,6 +156,25 @@ def test_plan_only_times_the_rows_and_trains_nothing_then_the_run_keeps_that_pla
     assert record["plan"] == plan and record["rows"][0]["runs"][0]["steps"] == 2
 
 
+def test_markdown_names_the_changes_made_to_every_row():
+    record = {
+        "table": "table3",
+        "title": "T",
+        "note": "n",
+        "recipe": "r",
+        "budget": {"epochs": 1},
+        "train_images": 4,
+        "test_images": 2,
+        "protocol": {"k": 5, "temperature": 0.1, "episodes": 5},
+        "seeds": [0],
+        "rows": [],
+        "random_init": _aggregate("random init", "random_init", {}, []),
+    }
+    assert "Changes to the recipe" not in markdown({**record, "overrides": []}, ("linear",))
+    text = markdown({**record, "overrides": ["model.teacher_momentum=0.9", "model.num_words=256"]}, ("linear",))
+    assert "Changes to the recipe for every row: `model.teacher_momentum=0.9`, `model.num_words=256`." in text
+
+
 def test_tiny_table3_run_writes_the_table_and_resumes_without_retraining(tmp_path, write_images, obow_cli):
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(TINY)

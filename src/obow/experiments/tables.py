@@ -640,13 +640,15 @@ def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
     ours_cols = " | ".join(columns)
     seeds = ", ".join(str(s) for s in record["seeds"])
     protocol = record["protocol"]
+    overrides = record.get("overrides") or []
     lines = [
         f"### {record['title']}",
         "",
         f"{record['note']}. Recipe `{record['recipe']}`, {_budget_text(record)}, on {record['train_images']} training "
         f"images; seeds {seeds} (mean ± sample standard deviation); evaluated on {record['test_images']} test images "
         f"(kNN k={protocol['k']}, T={protocol['temperature']}; few-shot {protocol['episodes']} episodes). "
-        f"Machine: {record.get('machine', 'not recorded')}.",
+        f"Machine: {record.get('machine', 'not recorded')}."
+        + (f" Changes to the recipe for every row: {', '.join(f'`{o}`' for o in overrides)}." if overrides else ""),
         "",
         f"| row | {paper_cols} | {ours_cols} | kNN | kNN gain | eff. rank | seeds | steps | s/step | train min |",
         "|---|" + "---|" * (2 * len(columns) + 7),

@@ -7,8 +7,17 @@ import math
 import pytest
 
 from obow.config import load_config
-from obow.experiments.budget import plan_epochs, seconds_per_step, short_run_warmup
-from obow.experiments.tables import TABLES, _aggregate, _fill, _placeholders, list_tables, markdown, select_rows
+from obow.experiments.budget import crossing_budget, plan_epochs, seconds_per_step, short_run_warmup
+from obow.experiments.tables import (
+    TABLES,
+    _aggregate,
+    _fill,
+    _placeholders,
+    compare_budgets,
+    list_tables,
+    markdown,
+    select_rows,
+)
 
 TINY = """
 description: tiny base for tables
@@ -207,3 +216,83 @@ def test_tiny_table3_run_writes_the_table_and_resumes_without_retraining(tmp_pat
     assert [r["label"] for r in record["rows"]] == ["soft, dynamic", "hard, dynamic", "hard, fixed"]
     text = (out / "table3" / "table.md").read_text()
     assert text == markdown(record, TABLES["table3"].columns) and text.count("\n| ") == 5
+
+
+def test_crossing_budget_reads_the_gap_as_a_line_in_log_minutes():
+    # hand-worked: the gap closes by one point per doubling, -2 at 10 minutes, so it is zero at 40 minutes
+    c = crossing_budget([10, 20], [-2.0, -1.0])
+    assert c.verdict == "crossing" and c.change_per_doubling == pytest.approx(1.0)
+    assert c.minutes == pytest.approx(40.0) and c.gap_at_largest == -1.0
+    assert "near 40 minutes" in c.describe("OBoW", "MoCo")
+    # three noisy budgets: least squares in log2(minutes), checked against numpy's fit
+    np = pytest.importorskip("numpy")
+    minutes, gap = [6.25, 12.5, 50.0], [-3.0, -2.5, -0.4]
+    slope, intercept = np.polyfit(np.log2(minutes), gap, 1)
+    c = crossing_budget(minutes, gap)
+    assert c.change_per_doubling == pytest.approx(slope) and c.minutes == pytest.approx(2 ** (-intercept / slope))
+    assert crossing_budget([10, 20], [-1.0, -2.0]).verdict == "not closing"  # widening: no crossing claimed
+    assert crossing_budget([10, 20], [-1.0, -2.0]).minutes is None
+    assert crossing_budget([10, 20], [-1.0, 0.5]).verdict == "ahead"
+    one = crossing_budget([25], [-1.2])
+    assert one.verdict == "one budget" and one.change_per_doubling is None and "second budget" in one.describe("a", "b")
+    with pytest.raises(ValueError, match="positive"):
+        crossing_budget([0, 10], [1.0, 2.0])
+    with pytest.raises(ValueError, match="one gap per budget"):
+        crossing_budget([10, 20], [1.0])
+
+
+def _budget_record(minutes: float, scores: dict[str, dict[int, float]], **extra) -> dict:
+    """A table.json record with the given knn per row slug and seed (``random_init`` among them)."""
+
+    def row(slug: str) -> dict:
+        runs = [{"seed": s, "scores": {"knn": v}, "steps": 1, "minutes": minutes} for s, v in scores[slug].items()]
+        return _aggregate(slug.upper(), slug, {}, runs)
+
+    return {
+        "table": "mocov2",
+        "title": "T",
+        "recipe": "r",
+        "train_images": 10,
+        "test_images": 5,
+        "overrides": [],
+        "budget": {"minutes": minutes},
+        "random_init": row("random_init"),
+        "rows": [row(s) for s in scores if s != "random_init"],
+        **extra,
+    }
+
+
+def test_compare_budgets_pairs_seeds_and_extrapolates_the_gap(tmp_path, obow_cli):
+    short = _budget_record(
+        10, {"random_init": {0: 20.0, 1: 24.0}, "obow_full": {0: 23.0, 1: 27.0}, "moco_v2_our_aug": {0: 25.0, 1: 29.0}}
+    )
+    long = _budget_record(
+        20, {"random_init": {0: 20.0, 1: 24.0}, "obow_full": {0: 26.0, 1: 29.0}, "moco_v2_our_aug": {0: 27.0, 1: 30.0}}
+    )
+    text = compare_budgets([long, short])  # any order: sorted by budget
+    assert "| row | 10 min | 20 min |" in text
+    assert "| OBOW_FULL | +3.00 ± 0.00 (2) | +5.50 ± 0.71 (2) |" in text  # gains 3, 3 then 6, 5: paired by seed
+    assert "| gap: OBOW_FULL - MOCO_V2_OUR_AUG | -2.00 ± 0.00 (2) | -1.00 ± 0.00 (2) |" in text
+    assert "+1.00 per doubling" in text and "near 40 minutes" in text
+    assert "-1.00 at the largest budget" in compare_budgets([short, long], versus=("obow_full", "MOCO_V2_OUR_AUG"))
+    # one seed of a row missing at one budget: only the seeds measured in both count
+    partial = _budget_record(
+        20, {"random_init": {0: 20.0, 1: 24.0}, "obow_full": {1: 29.0}, "moco_v2_our_aug": {0: 27.0, 1: 30.0}}
+    )
+    assert "| OBOW_FULL | +3.00 ± 0.00 (2) | +5.00 (1) |" in compare_budgets([short, partial])
+    with pytest.raises(ValueError, match="differ in overrides"):
+        compare_budgets([short, {**long, "overrides": ["model.teacher_momentum=0.9"]}])
+    with pytest.raises(ValueError, match="same budget"):
+        compare_budgets([short, short])
+    with pytest.raises(ValueError, match="planned in epochs"):
+        compare_budgets([short, {**long, "budget": {"epochs": 3}}])
+    with pytest.raises(ValueError, match="choose one of: knn"):
+        compare_budgets([short, long], score="linear")
+    # the command reads each budget's table.json (or its folder)
+    for name, record in (("a", short), ("b", long)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "table.json").write_text(json.dumps(record))
+    out = obow_cli("tables", "budgets", tmp_path / "a", tmp_path / "b" / "table.json").out
+    assert "near 40 minutes" in out
+    missing = obow_cli("tables", "budgets", tmp_path / "nowhere", check=False)
+    assert missing.code == 2 and "no table.json" in missing.err

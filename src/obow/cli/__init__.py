@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tables", help="list the paper's comparison tables, or run one (every row, same budget)")
     p.set_defaults(func=cmd_tables_list)
-    tables = p.add_subparsers(title="table commands", metavar="run")
+    tables = p.add_subparsers(title="table commands", metavar="run | budgets")
     r = tables.add_parser("run", help="train and evaluate every row of a table; resumes, skips finished rows")
     r.add_argument("name", help="table1 ... table5 or mocov2 (see `obow tables`)")
     r.add_argument("--data", required=True, help="a folder with train/ and test/ (or val/) class folders")
@@ -156,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("overrides", nargs="*", metavar="key=value", help="changes to the base recipe for every row")
     r.set_defaults(func=cmd_tables_run)
+    b = tables.add_parser(
+        "budgets", help="one table at several --minutes budgets: gain against budget, and where two rows cross"
+    )
+    b.add_argument("tables", nargs="+", help="each budget's table.json (or the folder holding it)")
+    b.add_argument("--score", default="knn", help="knn (default), linear, fewshot_1 or fewshot_5")
+    b.add_argument("--versus", nargs=2, metavar=("A", "B"), help="the two rows whose gap A - B is extrapolated")
+    b.set_defaults(func=cmd_tables_budgets)
     return parser
 
 
@@ -224,6 +231,20 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
         "\nrun one: obow tables run NAME --data DIR (--minutes M | --budget EPOCHS) [--seeds 0 1] [--per-class N] "
         "[key=value ...]"
     )
+    return 0
+
+
+def cmd_tables_budgets(args: argparse.Namespace) -> int:
+    from obow.experiments.tables import compare_budgets
+
+    records = []
+    for item in args.tables:
+        path = Path(item)
+        path = path / "table.json" if path.is_dir() else path
+        if not path.is_file():
+            raise ValueError(f"no table.json at {item} (give a table.json or the folder that holds one)")
+        records.append(json.loads(path.read_text()))
+    print(compare_budgets(records, args.score, tuple(args.versus) if args.versus else None), end="")
     return 0
 
 

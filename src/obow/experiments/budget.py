@@ -5,7 +5,8 @@ step (MoCo v2: two views) against one with a dear step (OBoW full: a teacher vie
 equal wall-clock time. :func:`seconds_per_step` times real training steps of several recipes **in alternating
 rounds**, so that the machine's noise (a neighbour's job, frequency changes) falls on all of them alike and
 their *ratio* is what it is on a quiet machine; :func:`plan_epochs` turns minutes into whole epochs;
-:func:`short_run_warmup` is the warm-up rule for runs shorter than their recipe.
+:func:`short_run_warmup` is the warm-up rule for runs shorter than their recipe; :func:`crossing_budget` reads
+the gap between two methods measured at several budgets and says where a line in log-minutes would cross.
 
 The timed step is the training loop's own: its loader and workers, its thread choice, ``forward_backward``
 under the recipe's precision, the optimiser. On a 2-core machine the loader's augmentations compete with the
@@ -18,6 +19,8 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("obow")
@@ -43,6 +46,62 @@ def short_run_warmup(recipe_warmup_epochs: float, epochs: int) -> float:
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     return min(float(recipe_warmup_epochs), epochs / 2)
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """The gap ``a - b`` between two methods' scores at several budgets, read as a line in log-minutes.
+
+    ``change_per_doubling``: how much the gap grows each time the budget doubles (``None`` with one budget);
+    ``gap_at_largest``: the gap measured at the largest budget; ``minutes``: where the line reaches zero, when
+    ``a`` is behind at the largest budget and the gap is closing (an extrapolation, ``None`` otherwise);
+    ``verdict``: one of ``ahead``, ``crossing``, ``not closing``, ``one budget``."""
+
+    change_per_doubling: float | None
+    gap_at_largest: float
+    minutes: float | None
+    verdict: str
+
+    def describe(self, a: str, b: str) -> str:
+        gap = f"{a} - {b} = {self.gap_at_largest:+.2f} at the largest budget"
+        if self.verdict == "one budget":
+            return f"{gap}; one budget measured: no trend (measure a second budget)"
+        trend = f"{self.change_per_doubling:+.2f} per doubling of the budget"
+        if self.verdict == "ahead":
+            return f"{gap}, {trend}: {a} is already ahead"
+        if self.verdict == "crossing":
+            return (
+                f"{gap}, {trend}: the line crosses zero near {self.minutes:.0f} minutes "
+                "(an extrapolation in log-minutes, not a measurement)"
+            )
+        return f"{gap}, {trend}: the gap is not closing, no crossing predicted"
+
+
+def crossing_budget(minutes: Sequence[float], gap: Sequence[float]) -> Crossing:
+    """Fit ``gap = c + s * log2(minutes)`` by least squares to the gap between two methods (``a - b``, for
+    example kNN of OBoW minus kNN of MoCo v2) measured at several budgets, and say where it reaches zero.
+
+    Two budgets give an exact line: the estimate has no error bar of its own, and the seed spread of each gap
+    is what says whether the trend is real. Minutes must be positive and at least one budget given."""
+    if len(minutes) != len(gap) or not minutes:
+        raise ValueError(f"need one gap per budget and at least one budget; got {len(minutes)} and {len(gap)}")
+    if any(m <= 0 for m in minutes):
+        raise ValueError(f"budgets must be positive minutes, got {list(minutes)}")
+    largest = max(range(len(minutes)), key=lambda i: minutes[i])
+    last = float(gap[largest])
+    x = [math.log2(m) for m in minutes]
+    if len(set(x)) < 2:
+        return Crossing(None, last, None, "one budget")
+    mean_x, mean_y = statistics.fmean(x), statistics.fmean(gap)
+    slope = sum((xi - mean_x) * (yi - mean_y) for xi, yi in zip(x, gap, strict=True)) / sum(
+        (xi - mean_x) ** 2 for xi in x
+    )
+    if last >= 0:
+        return Crossing(slope, last, None, "ahead")
+    if slope <= 0:
+        return Crossing(slope, last, None, "not closing")
+    intercept = mean_y - slope * mean_x
+    return Crossing(slope, last, 2 ** (-intercept / slope), "crossing")
 
 
 def seconds_per_step(configs: dict[str, Any], rounds: int = 3, block: int = 4) -> dict[str, float]:

@@ -57,6 +57,10 @@ each, resumable) with ``result.json`` once finished; re-running the command trai
 missing (``--rows`` picks rows, ``--seeds`` the seeds), so a table can be completed over several sessions.
 ``table.json`` and ``table.md`` hold the whole table: every seed's scores, their mean and spread, the plan,
 the protocol and the machine.
+
+``obow tables budgets TABLE ...`` (:func:`compare_budgets`) puts one table measured at several ``--minutes``
+budgets side by side: the gain of each row over random init against the budget, and where the gap between two
+rows would cross zero, read as a line in log-minutes.
 """
 
 from __future__ import annotations
@@ -673,4 +677,100 @@ def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
         lines.append(line(r["label"], r))
     notes = dict.fromkeys(n for r in (record["random_init"], *record["rows"]) for n in r["notes"])
     lines.extend(["", *(f"- `-`: {note}" for note in notes)] if notes else [])
+    return "\n".join(lines) + "\n"
+
+
+def compare_budgets(records: list[dict[str, Any]], score: str = "knn", versus: tuple[str, str] | None = None) -> str:
+    """One table measured at several ``--minutes`` budgets (its ``table.json`` records, each from its own
+    ``--out``): every row's gain over the random init of the same seed (mean ± sample deviation over the seeds
+    measured in both) at each budget, and for the pair ``versus`` (row labels or slugs; default OBoW (full)
+    against MoCo v2 (our aug.) when the table has both) the gap per budget and where it would cross zero
+    (:func:`obow.experiments.budget.crossing_budget`). Within one run the curve cannot answer that question:
+    every run's learning-rate cosine ends at its own budget."""
+    from obow.experiments.budget import crossing_budget
+
+    if not records:
+        raise ValueError("no tables to compare: give the table.json of each budget")
+    first = records[0]
+    for r in records:
+        if "minutes" not in r["budget"]:
+            raise ValueError(f"table {r['table']} was planned in epochs ({r['budget']}); compare --minutes tables")
+        for key in ("table", "recipe", "train_images", "test_images", "overrides"):
+            if r.get(key) != first.get(key):
+                raise ValueError(f"tables differ in {key}: {first.get(key)!r} and {r.get(key)!r}; compare one table")
+    known = sorted(
+        {
+            k
+            for row in first["rows"]
+            for run in row["runs"]
+            for k, v in run["scores"].items()
+            if isinstance(v, (int, float)) and not k.endswith(("_ci", "_k"))
+        }
+    )
+    if score not in known:
+        raise ValueError(f"score {score!r} was not measured; choose one of: {', '.join(known)}")
+    records = sorted(records, key=lambda r: r["budget"]["minutes"])
+    minutes = [r["budget"]["minutes"] for r in records]
+    if len(set(minutes)) != len(minutes):
+        raise ValueError(f"two tables at the same budget ({minutes} minutes); give one table per budget")
+
+    def by_seed(row: dict[str, Any]) -> dict[int, float]:
+        return {
+            run["seed"]: run["scores"][score]
+            for run in row["runs"]
+            if isinstance(run["scores"].get(score), (int, float))
+        }
+
+    def find(record: dict[str, Any], name: str) -> dict[str, Any] | None:
+        return next((row for row in record["rows"] if name in (row["label"], row["slug"])), None)
+
+    def paired(a: dict[int, float], b: dict[int, float]) -> list[float]:
+        return [a[s] - b[s] for s in sorted(a) if s in b]
+
+    def cell(values: list[float]) -> str:
+        if not values:
+            return "-"
+        mean = statistics.fmean(values)
+        spread = f" ± {statistics.stdev(values):.2f}" if len(values) > 1 else ""
+        return f"{mean:+.2f}{spread} ({len(values)})"
+
+    slugs = list(dict.fromkeys(row["slug"] for r in records for row in r["rows"]))
+    labels = {row["slug"]: row["label"] for r in records for row in r["rows"]}
+    head = " | ".join(f"{m:g} min" for m in minutes)
+    lines = [
+        f"### {first['title']}: {score} gain over random init against budget",
+        "",
+        f"Recipe `{first['recipe']}`, {first['train_images']} training images; each cell: mean ± sample deviation "
+        "over seeds of (row - random init of the same seed), number of seeds in brackets.",
+        "",
+        f"| row | {head} |",
+        "|---|" + "---|" * len(minutes),
+    ]
+    for slug in slugs:
+        cells = []
+        for r in records:
+            row = find(r, slug)
+            cells.append("-" if row is None else cell(paired(by_seed(row), by_seed(r["random_init"]))))
+        lines.append(f"| {labels[slug]} | {' | '.join(cells)} |")
+    if versus is None and {"obow_full", "moco_v2_our_aug"} <= set(slugs):
+        versus = ("obow_full", "moco_v2_our_aug")
+    if versus is not None:
+        a_name, b_name = versus
+        gaps, at = [], []
+        row_cells = []
+        for r, m in zip(records, minutes, strict=True):
+            a, b = find(r, a_name), find(r, b_name)
+            values = paired(by_seed(a), by_seed(b)) if a is not None and b is not None else []
+            row_cells.append(cell(values))
+            if values:
+                gaps.append(statistics.fmean(values))
+                at.append(m)
+        a_label = next((labels[s] for s in slugs if a_name in (s, labels[s])), a_name)
+        b_label = next((labels[s] for s in slugs if b_name in (s, labels[s])), b_name)
+        lines.append(f"| gap: {a_label} - {b_label} | {' | '.join(row_cells)} |")
+        lines.append("")
+        if gaps:
+            lines.append(crossing_budget(at, gaps).describe(a_label, b_label) + ".")
+        else:
+            lines.append(f"{a_label} and {b_label} were not both measured at any budget.")
     return "\n".join(lines) + "\n"

@@ -165,6 +165,30 @@ def test_plan_only_times_the_rows_and_trains_nothing_then_the_run_keeps_that_pla
     assert record["plan"] == plan and record["rows"][0]["runs"][0]["steps"] == 2
 
 
+def test_timing_from_plans_a_second_budget_from_another_folders_timed_steps(tmp_path, write_images, obow_cli):
+    recipe, data, out = _tiny_table(tmp_path, write_images)
+    source = out / "first" / "table3"
+    source.mkdir(parents=True)
+    timed = {"minutes": 25.0}, {"hard_fixed/pretrain": {"epochs": 1, "seconds_per_step": 3.0, "steps": 2}}
+    (source / "plan.json").write_text(json.dumps({"budget": timed[0], "steps_per_epoch": 2, "stages": timed[1]}))
+    args = ["tables", "run", "table3", "--data", data, "--recipe", recipe, "--out", out / "second", "--plan-only"]
+    obow_cli(*args, "--minutes", "0.5", "--rows", "1", "4", "--timing-from", source)
+    plan = json.loads((out / "second" / "table3" / "plan.json").read_text())
+    lent = plan["stages"]["hard_fixed/pretrain"]
+    # 0.5 minutes at the lent 3.0 s a step, 2 steps an epoch: 30 / 6 = 5 epochs, no new timing
+    assert plan["budget"] == {"minutes": 0.5} and lent["seconds_per_step"] == 3.0 and lent["epochs"] == 5
+    assert plan["timing_from"] == {"hard_fixed/pretrain": str(source / "plan.json")}
+    own = plan["stages"]["soft_dynamic/pretrain"]  # row 1 was not in the source folder: timed here
+    assert 0 < own["seconds_per_step"] < 3.0
+    (source / "plan.json").write_text(json.dumps({"budget": timed[0], "steps_per_epoch": 9, "stages": timed[1]}))
+    other = obow_cli(*args[:-2], out / "third", "--plan-only", "--minutes", "1", "--timing-from", source, check=False)
+    assert other.code == 2 and "9 steps an epoch, this table has 2" in other.err
+    nowhere = obow_cli(*args[:-2], out / "third", "--plan-only", "--minutes", "1", "--timing-from", out, check=False)
+    assert nowhere.code == 2 and "no plan.json there" in nowhere.err
+    epochs = obow_cli(*args[:-2], out / "third", "--plan-only", "--budget", "2", "--timing-from", source, check=False)
+    assert epochs.code == 2 and "--budget EPOCHS times nothing" in epochs.err
+
+
 def test_markdown_names_the_changes_made_to_every_row():
     record = {
         "table": "table3",

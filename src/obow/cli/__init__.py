@@ -154,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--plan-only", action="store_true", help="time the rows and write plan.json, train nothing (see docs)"
     )
+    r.add_argument(
+        "--timing-from",
+        metavar="TABLE_DIR",
+        help="plan --minutes from the timed steps in another budget's table folder (no re-timing)",
+    )
     r.add_argument("overrides", nargs="*", metavar="key=value", help="changes to the base recipe for every row")
     r.set_defaults(func=cmd_tables_run)
     b = tables.add_parser(
@@ -269,6 +274,7 @@ def cmd_tables_run(args: argparse.Namespace) -> int:
             k=args.k,
             episodes=args.episodes,
             plan_only=args.plan_only,
+            timing_from=args.timing_from,
         )
     except Interrupted as err:
         return exit_code(err)

@@ -21,7 +21,8 @@ The budget:
 Either way the plan (each row's epochs, warm-up, timed step) is written once to ``<table>/plan.json`` and
 reused by every seed and by later calls that complete the table; asking the same folder for another budget
 or other images is refused. ``--plan-only`` writes the plan and stops: time the rows on the quiet machine
-with every core, then train however suits the machine. The plan fixes each row's steps, not its threads: on
+with every core, then train however suits the machine. ``--timing-from DIR`` takes the timed steps of another
+folder of the same table (another budget) instead of timing them again. The plan fixes each row's steps, not its threads: on
 a 2-core machine two tables can train side by side with ``OMP_NUM_THREADS=1`` each; only the wall time in
 ``table.md`` changes. Measured (2026-11-24): the MoCo v2 table on CIFAR-10 and on Imagenette side by side,
 one thread each, ran OBoW (full) at 7.1 and 7.4 s a step, against 3.85 and 4.06 s timed alone with both
@@ -363,13 +364,16 @@ def run_table(
     episodes: int = 200,
     curve_every: int = 0,
     plan_only: bool = False,
+    timing_from: str | Path | None = None,
 ) -> dict[str, Any]:
     """Train and evaluate the rows of table ``name`` (see the module docstring) for every seed in ``seeds``,
     each row for ``budget`` epochs or for ``minutes`` of this machine; returns the table's record, also written
     to ``<out>/<name>/table.json`` and ``table.md``. ``curve_every`` > 0 runs the kNN monitor on the test images
     every that many epochs (the learning curves in each run's ``log.jsonl``; its time is not in the budget).
     ``plan_only`` writes ``<out>/<name>/plan.json`` (timing the rows not yet planned) and returns the plan
-    without training or evaluating anything."""
+    without training or evaluating anything. ``timing_from`` (a table folder of the same table, images and
+    machine, planned for another ``minutes``) lends its timed steps to the rows not yet planned here, so that a
+    second budget is planned from the same timing and needs no quiet machine."""
     from obow.config import load_config
     from obow.data.eval_sets import align_classes, eval_dataset
     from obow.data.folders import scan_images
@@ -407,7 +411,7 @@ def run_table(
     chosen = select_rows(table, rows)
     with RunLock(folder):  # one `obow tables run` per table folder: its rows' runs and results are shared
         device = "cuda" if base.train.device != "cpu" and _cuda() else "cpu"
-        plan = _budget_plan(folder, chosen, recipe, common, values, budget, minutes, steps_per_epoch)
+        plan = _budget_plan(folder, chosen, recipe, common, values, budget, minutes, steps_per_epoch, timing_from)
         if plan_only:
             return plan
 
@@ -463,10 +467,12 @@ def _budget_plan(
     budget: int | None,
     minutes: float | None,
     steps_per_epoch: int,
+    timing_from: str | Path | None = None,
 ) -> dict[str, Any]:
     """Epochs and warm-up of every row's stages, kept in ``<table>/plan.json`` so that every seed, and every
     later call that completes the table, trains a row the same way. A minutes budget times the rows' steps
-    (:func:`obow.experiments.budget.seconds_per_step`, in alternating rounds) the first time a row is met."""
+    (:func:`obow.experiments.budget.seconds_per_step`, in alternating rounds) the first time a row is met, or
+    takes them from the ``plan.json`` of the table folder ``timing_from`` where that folder timed them."""
     from obow.config import load_config
     from obow.experiments.budget import plan_epochs, seconds_per_step, short_run_warmup
 
@@ -489,7 +495,26 @@ def _budget_plan(
         if stage.teacher:
             items.append("bownet.teacher=unused-when-timing.pt")
         configs[key] = load_config(recipe, items)
-    timed = seconds_per_step(configs) if minutes is not None else {}
+    timed: dict[str, float] = {}
+    if timing_from is not None:
+        if minutes is None:
+            raise ValueError("--timing-from lends timed steps to a --minutes table; --budget EPOCHS times nothing")
+        other_path = Path(timing_from) / "plan.json"
+        if not other_path.is_file():
+            raise ValueError(
+                f"--timing-from {timing_from}: no plan.json there (give a table folder, e.g. runs/x/mocov2)"
+            )
+        other = json.loads(other_path.read_text())
+        if other["steps_per_epoch"] != steps_per_epoch:
+            raise ValueError(
+                f"--timing-from {timing_from} was planned for {other['steps_per_epoch']} steps an epoch, this table "
+                f"has {steps_per_epoch}: not the same images or batch"
+            )
+        lent = {key: v["seconds_per_step"] for key, v in other.get("stages", {}).items() if key in missing}
+        timed.update({key: seconds for key, seconds in lent.items() if seconds})
+        plan.setdefault("timing_from", {}).update({key: str(other_path) for key in timed})
+    if minutes is not None and set(missing) - set(timed):
+        timed.update(seconds_per_step({key: configs[key] for key in missing if key not in timed}))
     for key, stage in missing.items():
         cfg = configs[key]
         if minutes is None:

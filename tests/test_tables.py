@@ -304,6 +304,12 @@ def test_compare_budgets_pairs_seeds_and_extrapolates_the_gap(tmp_path, obow_cli
         20, {"random_init": {0: 20.0, 1: 24.0}, "obow_full": {1: 29.0}, "moco_v2_our_aug": {0: 27.0, 1: 30.0}}
     )
     assert "| OBOW_FULL | +3.00 ± 0.00 (2) | +5.00 (1) |" in compare_budgets([short, partial])
+    # a budget measured at one seed only: the other budget's second seed is left out of the trend, not mixed in
+    one_seed = _budget_record(20, {"random_init": {0: 20.0}, "obow_full": {0: 26.0}, "moco_v2_our_aug": {0: 27.0}})
+    text = compare_budgets([short, one_seed])
+    assert "measured at every budget count (0)" in text and "| OBOW_FULL | +3.00 (1) | +6.00 (1) |" in text
+    with pytest.raises(ValueError, match="no seed has a random init row at every budget"):
+        compare_budgets([short, _budget_record(20, {"random_init": {5: 1.0}, "obow_full": {5: 2.0}})])
     with pytest.raises(ValueError, match="differ in overrides"):
         compare_budgets([short, {**long, "overrides": ["model.teacher_momentum=0.9"]}])
     with pytest.raises(ValueError, match="same budget"):

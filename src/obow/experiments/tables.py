@@ -22,9 +22,9 @@ Either way the plan (each row's epochs, warm-up, timed step) is written once to 
 reused by every seed and by later calls that complete the table; asking the same folder for another budget
 or other images is refused. ``--plan-only`` writes the plan and stops: time the rows on the quiet machine
 with every core, then train however suits the machine. ``--timing-from DIR`` takes the timed steps of another
-folder of the same table (another budget) instead of timing them again. The plan fixes each row's steps, not its threads: on
-a 2-core machine two tables can train side by side with ``OMP_NUM_THREADS=1`` each; only the wall time in
-``table.md`` changes. Measured (2026-11-24): the MoCo v2 table on CIFAR-10 and on Imagenette side by side,
+folder of the same table (another budget) instead of timing them again. The plan fixes each row's steps, not
+its threads: on a 2-core machine two tables can train side by side with ``OMP_NUM_THREADS=1`` each; only the
+wall time in ``table.md`` changes. Measured (2026-11-24): the MoCo v2 table on CIFAR-10 and on Imagenette side by side,
 one thread each, ran OBoW (full) at 7.1 and 7.4 s a step, against 3.85 and 4.06 s timed alone with both
 cores: about 1.1x the work of one table at a time.
 
@@ -739,10 +739,17 @@ def compare_budgets(records: list[dict[str, Any]], score: str = "knn", versus: t
     if len(set(minutes)) != len(minutes):
         raise ValueError(f"two tables at the same budget ({minutes} minutes); give one table per budget")
 
+    # seeds measured at every budget (random init included): a trend read from different seeds at different
+    # budgets would mix the seed spread into it
+    shared_seeds = set.intersection(*({run["seed"] for run in r["random_init"]["runs"]} for r in records))
+    if not shared_seeds:
+        raise ValueError("no seed has a random init row at every budget; run the same --seeds at each budget")
+
     def by_seed(row: dict[str, Any]) -> dict[int, float]:
         return {
             run["seed"]: run["scores"][score]
             for run in row["runs"]
+            if run["seed"] in shared_seeds
             if isinstance(run["scores"].get(score), (int, float))
         }
 
@@ -766,7 +773,8 @@ def compare_budgets(records: list[dict[str, Any]], score: str = "knn", versus: t
         f"### {first['title']}: {score} gain over random init against budget",
         "",
         f"Recipe `{first['recipe']}`, {first['train_images']} training images; each cell: mean ± sample deviation "
-        "over seeds of (row - random init of the same seed), number of seeds in brackets.",
+        "over seeds of (row - random init of the same seed), number of seeds in brackets; only the seeds measured "
+        f"at every budget count ({', '.join(map(str, sorted(shared_seeds)))}).",
         "",
         f"| row | {head} |",
         "|---|" + "---|" * len(minutes),

@@ -424,9 +424,6 @@ def build_loader(
 
 
 def ignore_interrupt(worker_id: int) -> None:
-    """Ctrl-C reaches every process of the terminal's group, and SIGTERM every process of a job when a scheduler
-    cancels or preempts it (``scancel``, ``docker stop``, ``pkill -f``): the workers leave both to the main
-    process, which finishes the step under way and writes a checkpoint (a worker ended by it would fail the
-    next batch, and the run would stop without that checkpoint). The main process ends its workers itself."""
+    """Ctrl-C reaches every process of the terminal's group: the workers leave it to the main process, which
+    finishes the step under way and writes a checkpoint (a worker ended by it would fail the next batch)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -708,7 +708,7 @@ def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
 def compare_budgets(records: list[dict[str, Any]], score: str = "knn", versus: tuple[str, str] | None = None) -> str:
     """One table measured at several ``--minutes`` budgets (its ``table.json`` records, each from its own
     ``--out``): every row's gain over the random init of the same seed (mean ± sample deviation over the seeds
-    measured in both) at each budget, and for the pair ``versus`` (row labels or slugs; default OBoW (full)
+    measured at every budget) at each budget, and for the pair ``versus`` (row labels or slugs; default OBoW (full)
     against MoCo v2 (our aug.) when the table has both) the gap per budget and where it would cross zero
     (:func:`obow.experiments.budget.crossing_budget`). Within one run the curve cannot answer that question:
     every run's learning-rate cosine ends at its own budget."""

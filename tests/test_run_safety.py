@@ -281,16 +281,19 @@ def test_sigterm_mid_epoch_resumes_to_the_uninterrupted_final_state(setup, unint
 
 
 @pytest.mark.slow
-def test_ctrl_c_reaches_the_data_workers_too_and_still_stops_at_a_step_boundary(setup, tmp_path):
-    """A terminal's Ctrl-C goes to the whole process group: the loader's worker processes leave it to the main
-    process (otherwise the next batch would fail with 'DataLoader worker exited unexpectedly')."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm_to_the_job"])
+def test_ctrl_c_reaches_the_data_workers_too_and_still_stops_at_a_step_boundary(setup, tmp_path, sig):
+    """A terminal's Ctrl-C goes to the whole process group, and so does a scheduler's SIGTERM (``scancel``,
+    ``docker stop``, ``pkill -f``): the loader's worker processes leave it to the main process (otherwise the
+    next batch fails with 'DataLoader worker ... killed by signal' and no checkpoint is written), and the
+    process still exits (the workers that ignore SIGTERM are ended at exit)."""
     out = tmp_path / "run"
     proc = start(*pretrain_args(setup, out, "data.num_workers=2"), start_new_session=True)
     wait_for_iteration(out, 3, proc)
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, sig)
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGINT, stderr
-    assert "Traceback" not in stderr and "exited unexpectedly" not in stderr
+    assert proc.returncode == 128 + sig, stderr
+    assert "Traceback" not in stderr and "exited unexpectedly" not in stderr and "killed by signal" not in stderr
     ckpt = load_checkpoint(out / "checkpoint.pt")
     assert ckpt["iteration"] == max(r["iteration"] for r in read_log(out)) >= 3
 

@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
+import multiprocessing
 import operator
 import os
 import random
@@ -406,6 +408,8 @@ def build_loader(
     ``drop_last`` is off because the sampler already decides which samples an epoch holds; workers persist
     between epochs to avoid re-forking them (the sampler still runs in this process, so ``set_epoch`` applies).
     """
+    if num_workers > 0:
+        end_workers_at_exit()
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -424,6 +428,34 @@ def build_loader(
 
 
 def ignore_interrupt(worker_id: int) -> None:
-    """Ctrl-C reaches every process of the terminal's group: the workers leave it to the main process, which
-    finishes the step under way and writes a checkpoint (a worker ended by it would fail the next batch)."""
+    """Ctrl-C reaches every process of the terminal's group, and SIGTERM every process of a job that a scheduler
+    cancels or a user stops with ``pkill -f`` / ``docker stop``: the workers leave both to the main process,
+    which finishes the step under way and writes a checkpoint (a worker ended by the signal would fail the next
+    batch, and the run would stop without that checkpoint). A worker still ends when the main process is gone
+    (PyTorch's watchdog), when the loader shuts it down, or at exit (:func:`end_workers_at_exit`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+_ending_workers_at_exit = False
+
+
+def end_workers_at_exit() -> None:
+    """Once per process: at interpreter exit, kill (SIGKILL) the daemonic child processes still alive.
+
+    ``multiprocessing`` ends daemonic children at exit with SIGTERM and then waits for them; data workers ignore
+    SIGTERM (:func:`ignore_interrupt`), so a run that leaves a loader open on its way out (an error, an
+    interrupt) would wait forever. Handlers registered later run first, so this one runs before
+    ``multiprocessing``'s, which then finds only dead children to join. Loaders closed normally have already
+    joined their workers, which are no longer children by then."""
+    global _ending_workers_at_exit
+    if not _ending_workers_at_exit:
+        atexit.register(_kill_daemonic_children)
+        _ending_workers_at_exit = True
+
+
+def _kill_daemonic_children() -> None:
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join()

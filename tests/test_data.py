@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +17,10 @@ from obow.data.folders import (
     EpochSampler,
     ImageDataset,
     ImageList,
+    _kill_daemonic_children,
     build_loader,
     collate,
+    ignore_interrupt,
     load_rgb,
     scan_images,
 )
@@ -434,3 +439,22 @@ def test_loader_with_workers_matches_loader_without(tmp_path):
         if epoch == 0:
             first_epoch = want
     assert not torch.equal(first_epoch[0]["image"]["crops"], want[0]["image"]["crops"])
+
+
+def _sleep_ignoring_sigterm() -> None:
+    ignore_interrupt(0)
+    time.sleep(60)
+
+
+def test_a_worker_ignores_sigterm_and_is_still_ended_at_exit():
+    """Workers ignore SIGTERM (a signal to the whole job is the main process's to handle); the exit hook that
+    multiprocessing's own SIGTERM-then-join relies on must kill them, or an error exit would wait forever."""
+    ctx = multiprocessing.get_context("fork")
+    worker = ctx.Process(target=_sleep_ignoring_sigterm, daemon=True)
+    worker.start()
+    time.sleep(0.3)  # let it install its handlers
+    worker.terminate()  # what multiprocessing does at exit
+    worker.join(1.0)
+    assert worker.is_alive()
+    _kill_daemonic_children()
+    assert not worker.is_alive() and worker.exitcode == -signal.SIGKILL

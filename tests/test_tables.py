@@ -14,6 +14,7 @@ from obow.experiments.tables import (
     _fill,
     _placeholders,
     compare_budgets,
+    compare_levers,
     list_tables,
     markdown,
     select_rows,
@@ -326,3 +327,42 @@ def test_compare_budgets_pairs_seeds_and_extrapolates_the_gap(tmp_path, obow_cli
     assert "near 40 minutes" in out
     missing = obow_cli("tables", "budgets", tmp_path / "nowhere", check=False)
     assert missing.code == 2 and "no table.json" in missing.err
+
+
+def test_compare_levers_pairs_each_row_with_the_base_of_the_same_seed(tmp_path, obow_cli):
+    scores = {"random_init": {0: 20.0, 1: 24.0}, "obow_full": {0: 23.0, 1: 27.0}, "moco_v2_our_aug": {0: 25.0, 1: 30.0}}
+    base = _budget_record(25, scores)
+    lever = _budget_record(
+        25,
+        {"random_init": {0: 20.0}, "obow_full": {0: 26.0, 1: 28.0}, "moco_v2_our_aug": {0: 25.5}},
+        overrides=["views.num_patches=0"],
+    )
+    text = compare_levers([base, lever])
+    assert "knn with levers, 25 minutes per row and seed" in text
+    assert "| row | base | `views.num_patches=0` |" in text
+    assert "| RANDOM_INIT | 22.00 ± 2.83 (2) | 20.00 (1); +0.00 (1) vs base |" in text
+    # OBoW: 26 - 23 and 28 - 27, paired by seed
+    assert "| OBOW_FULL | 25.00 ± 2.83 (2) | 27.00 ± 1.41 (2); +2.00 ± 1.41 (2) vs base |" in text
+    assert "| MOCO_V2_OUR_AUG | 27.50 ± 3.54 (2) | 25.50 (1); +0.50 (1) vs base |" in text
+    # gap per seed: base -2, -3; lever seed 0: 26 - 25.5 = +0.5, i.e. +2.5 against the base's seed 0
+    assert "| gap: OBOW_FULL - MOCO_V2_OUR_AUG | -2.50 ± 0.71 (2) | +0.50 (1); +2.50 (1) vs base |" in text
+    # a lever the other method did not get shows as a missing cell, not as a comparison
+    only_obow = _budget_record(
+        25, {"random_init": {0: 20.0}, "obow_full": {0: 24.0}}, overrides=["model.teacher_momentum=0.9"]
+    )
+    text = compare_levers([base, lever, only_obow], versus=("obow_full", "moco_v2_our_aug"))
+    assert "| MOCO_V2_OUR_AUG | 27.50 ± 3.54 (2) | 25.50 (1); +0.50 (1) vs base | - |" in text
+    assert text.rstrip().endswith("| +0.50 (1); +2.50 (1) vs base | - |")
+    with pytest.raises(ValueError, match="differ in budget"):
+        compare_levers([base, {**lever, "budget": {"minutes": 12.5}}])
+    with pytest.raises(ValueError, match="nothing changed"):
+        compare_levers([base, base])
+    with pytest.raises(ValueError, match="base table first and at least one lever"):
+        compare_levers([base])
+    with pytest.raises(ValueError, match="choose one of: knn"):
+        compare_levers([base, lever], score="linear")
+    for name, record in (("base", base), ("lever", lever)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "table.json").write_text(json.dumps(record))
+    out = obow_cli("tables", "levers", tmp_path / "base", tmp_path / "lever" / "table.json").out
+    assert "+2.50 (1) vs base" in out

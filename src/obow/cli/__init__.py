@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tables", help="list the paper's comparison tables, or run one (every row, same budget)")
     p.set_defaults(func=cmd_tables_list)
-    tables = p.add_subparsers(title="table commands", metavar="run | budgets")
+    tables = p.add_subparsers(title="table commands", metavar="run | budgets | levers")
     r = tables.add_parser("run", help="train and evaluate every row of a table; resumes, skips finished rows")
     r.add_argument("name", help="table1 ... table5 or mocov2 (see `obow tables`)")
     r.add_argument("--data", required=True, help="a folder with train/ and test/ (or val/) class folders")
@@ -168,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--score", default="knn", help="knn (default), linear, fewshot_1 or fewshot_5")
     b.add_argument("--versus", nargs=2, metavar=("A", "B"), help="the two rows whose gap A - B is extrapolated")
     b.set_defaults(func=cmd_tables_budgets)
+    v = tables.add_parser(
+        "levers", help="one table at one budget, as it is and with key=value levers: each row's change, same seed"
+    )
+    v.add_argument("tables", nargs="+", help="the base table.json (or its folder) first, then each lever's")
+    v.add_argument("--score", default="knn", help="knn (default), linear, fewshot_1 or fewshot_5")
+    v.add_argument("--versus", nargs=2, metavar=("A", "B"), help="the two rows whose gap A - B is compared")
+    v.set_defaults(func=cmd_tables_levers)
     return parser
 
 
@@ -239,17 +246,30 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_tables_budgets(args: argparse.Namespace) -> int:
-    from obow.experiments.tables import compare_budgets
-
+def _table_records(items: list[str]) -> list[dict]:
     records = []
-    for item in args.tables:
+    for item in items:
         path = Path(item)
         path = path / "table.json" if path.is_dir() else path
         if not path.is_file():
             raise ValueError(f"no table.json at {item} (give a table.json or the folder that holds one)")
         records.append(json.loads(path.read_text()))
+    return records
+
+
+def cmd_tables_budgets(args: argparse.Namespace) -> int:
+    from obow.experiments.tables import compare_budgets
+
+    records = _table_records(args.tables)
     print(compare_budgets(records, args.score, tuple(args.versus) if args.versus else None), end="")
+    return 0
+
+
+def cmd_tables_levers(args: argparse.Namespace) -> int:
+    from obow.experiments.tables import compare_levers
+
+    records = _table_records(args.tables)
+    print(compare_levers(records, args.score, tuple(args.versus) if args.versus else None), end="")
     return 0
 
 

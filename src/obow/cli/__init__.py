@@ -161,20 +161,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("overrides", nargs="*", metavar="key=value", help="changes to the base recipe for every row")
     r.set_defaults(func=cmd_tables_run)
-    b = tables.add_parser(
-        "budgets", help="one table at several --minutes budgets: gain against budget, and where two rows cross"
-    )
-    b.add_argument("tables", nargs="+", help="each budget's table.json (or the folder holding it)")
-    b.add_argument("--score", default="knn", help="knn (default), linear, fewshot_1 or fewshot_5")
-    b.add_argument("--versus", nargs=2, metavar=("A", "B"), help="the two rows whose gap A - B is extrapolated")
-    b.set_defaults(func=cmd_tables_budgets)
-    v = tables.add_parser(
-        "levers", help="one table at one budget, as it is and with key=value levers: each row's change, same seed"
-    )
-    v.add_argument("tables", nargs="+", help="the base table.json (or its folder) first, then each lever's")
-    v.add_argument("--score", default="knn", help="knn (default), linear, fewshot_1 or fewshot_5")
-    v.add_argument("--versus", nargs=2, metavar=("A", "B"), help="the two rows whose gap A - B is compared")
-    v.set_defaults(func=cmd_tables_levers)
+    for command, help_text, first, versus, func in (
+        (
+            "budgets",
+            "one table at several --minutes budgets: gain against budget, and where two rows cross",
+            "each budget's table.json (or the folder holding it)",
+            "the two rows whose gap A - B is extrapolated",
+            cmd_tables_budgets,
+        ),
+        (
+            "levers",
+            "one table at one budget, as it is and with key=value levers: each row's change, same seed",
+            "the base table.json (or its folder) first, then each lever's",
+            "the two rows whose gap A - B is compared",
+            cmd_tables_levers,
+        ),
+    ):
+        c = tables.add_parser(command, help=help_text)
+        c.add_argument("tables", nargs="+", help=first)
+        c.add_argument("--score", default="knn", help="knn (default), linear, fewshot_1 or fewshot_5")
+        c.add_argument("--versus", nargs=2, metavar=("A", "B"), help=versus)
+        c.set_defaults(func=func)
     return parser
 
 

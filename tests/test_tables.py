@@ -3,6 +3,8 @@ writes its table and resumes without retraining."""
 
 import json
 import math
+import os
+import socket
 
 import pytest
 
@@ -366,3 +368,48 @@ def test_compare_levers_pairs_each_row_with_the_base_of_the_same_seed(tmp_path, 
         (tmp_path / name / "table.json").write_text(json.dumps(record))
     out = obow_cli("tables", "levers", tmp_path / "base", tmp_path / "lever" / "table.json").out
     assert "+2.50 (1) vs base" in out
+
+
+def test_status_reads_each_row_and_seed_from_the_folder_and_sums_the_minutes_left(
+    tmp_path, write_images, obow_cli, make_checkpoint
+):
+    recipe, data, out = _tiny_table(tmp_path, write_images)
+    source = out / "timed" / "table3"
+    source.mkdir(parents=True)
+    timed = {
+        key: {"epochs": 1, "seconds_per_step": 3.0, "steps": 2}
+        for key in ("soft_dynamic/pretrain", "hard_fixed/pretrain")
+    }
+    (source / "plan.json").write_text(json.dumps({"budget": {"minutes": 25.0}, "steps_per_epoch": 2, "stages": timed}))
+    args = ["tables", "run", "table3", "--data", data, "--recipe", recipe, "--out", out, "--minutes", "0.1"]
+    # 0.1 minutes at the lent 3.0 s a step: 2 steps (one epoch) a row, no timing on this machine
+    obow_cli(*args, "--rows", "1", "4", "--plan-only", "--timing-from", source)
+    obow_cli(*args, "--rows", "4", "--seeds", "0", "--k", "5", "--episodes", "5")  # row 4, seed 0: trained
+    folder = out / "table3"
+    make_checkpoint(folder / "soft_dynamic" / "seed0" / "checkpoint.pt", iteration=1)  # stopped after 1 step
+    running = folder / "soft_dynamic" / "seed1"  # a live process (this one) holds seed 1 of row 1
+    running.mkdir(parents=True)
+    (running / ".obow.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+
+    text = obow_cli("tables", "status", folder).out
+    assert "| random init | 0 | done | - | - |" in text and "| random init | 1 | not evaluated | - | - |" in text
+    assert "| soft, dynamic | 0 | stopped at iteration 1 of 2 | 1 / 2 | 0.1 |" in text  # 1 step x 3 s = 0.05 min
+    assert "| hard, fixed | 0 | done | 2 / 2 | 0.0 |" in text
+    assert "| soft, dynamic | 1 | running, iteration 0 of 2 | 0 / 2 | 0.1 |" in text
+    assert "| hard, fixed | 1 | not started | 0 / 2 | 0.1 |" in text
+    # (1 + 2 + 2) steps x 3 s = 0.25 min; three runs and one random init still to do
+    assert "Left: 4 run(s) to finish or evaluate, about 0.2 minutes of training" in text
+    assert "Being run now" not in text  # the table folder's own lock was released at the end of the run
+    only = obow_cli("tables", "status", folder, "--seeds", "0").out
+    assert "| 1 |" not in only and "Left: 1 run(s)" in only
+
+    (running / ".obow.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7}))
+    assert "| soft, dynamic | 1 | not started | 0 / 2 | 0.1 |" in obow_cli("tables", "status", folder).out  # dead
+    for wrong, message in ((out, "no plan.json in"), (source.parent, "no plan.json in")):
+        result = obow_cli("tables", "status", wrong, check=False)
+        assert result.code == 2 and message in result.err
+    renamed = tmp_path / "not_a_table"
+    renamed.mkdir()
+    (renamed / "plan.json").write_text((folder / "plan.json").read_text())
+    result = obow_cli("tables", "status", renamed, check=False)
+    assert result.code == 2 and "not named after a table" in result.err

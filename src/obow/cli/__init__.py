@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tables", help="list the paper's comparison tables, or run one (every row, same budget)")
     p.set_defaults(func=cmd_tables_list)
-    tables = p.add_subparsers(title="table commands", metavar="run | budgets | levers")
+    tables = p.add_subparsers(title="table commands", metavar="run | status | budgets | levers")
     r = tables.add_parser("run", help="train and evaluate every row of a table; resumes, skips finished rows")
     r.add_argument("name", help="table1 ... table5 or mocov2 (see `obow tables`)")
     r.add_argument("--data", required=True, help="a folder with train/ and test/ (or val/) class folders")
@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("overrides", nargs="*", metavar="key=value", help="changes to the base recipe for every row")
     r.set_defaults(func=cmd_tables_run)
+    st = tables.add_parser("status", help="where a table folder stands: each row and seed, and the minutes left")
+    st.add_argument("folder", help="the table's folder, <out>/<table> (e.g. runs/tables/mocov2)")
+    st.add_argument("--seeds", nargs="+", type=int, help="these seeds (default: every seed with a folder there)")
+    st.set_defaults(func=cmd_tables_status)
     for command, help_text, first, versus, func in (
         (
             "budgets",
@@ -262,6 +266,13 @@ def _table_records(items: list[str]) -> list[dict]:
             raise ValueError(f"no table.json at {item} (give a table.json or the folder that holds one)")
         records.append(json.loads(path.read_text()))
     return records
+
+
+def cmd_tables_status(args: argparse.Namespace) -> int:
+    from obow.experiments.tables import table_status
+
+    print(table_status(args.folder, args.seeds), end="")
+    return 0
 
 
 def cmd_tables_budgets(args: argparse.Namespace) -> int:

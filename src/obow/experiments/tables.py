@@ -56,6 +56,8 @@ How the paper's settings map onto the base recipe:
 A table's folder holds one folder per row and seed (``<out>/<table>/<row>/seed<N>/``, a pretraining run
 each, resumable) with ``result.json`` once finished; re-running the command trains and evaluates only what is
 missing (``--rows`` picks rows, ``--seeds`` the seeds), so a table can be completed over several sessions.
+``obow tables status <out>/<table>`` (:func:`table_status`) reports, from the files alone, each planned row and
+seed's state and the minutes of training left.
 ``table.json`` and ``table.md`` hold the whole table: every seed's scores, their mean and spread, the plan,
 the protocol and the machine.
 
@@ -607,6 +609,84 @@ def _run_row(row: Row, folder: Path, recipe: str, common: list[str], values: dic
         seconds += time.time() - start
         checkpoint, steps = summary["checkpoint"], steps + summary["iteration"]
     return {"label": row.label, "slug": row.slug, "checkpoint": checkpoint, "steps": steps, "minutes": seconds / 60}
+
+
+def table_status(folder: str | Path, seeds: list[int] | None = None) -> str:
+    """Where a table folder stands (``obow tables status``), read from its files without taking any lock:
+    every planned row and seed (``seeds``, or every seed with a folder there) as done, trained but not yet
+    evaluated, stopped at iteration *i* of *n*, running now, or not started, with the minutes of training left
+    at the plan's timed steps (evaluation and the kNN monitor not counted)."""
+    from obow.training.lock import describe_holder, live_holder
+    from obow.weights.checkpoint import load_checkpoint
+
+    folder = Path(folder)
+    plan_path = folder / "plan.json"
+    if not plan_path.is_file():
+        raise ValueError(f"no plan.json in {folder}: give a table folder, <out>/<table> (e.g. runs/tables/mocov2)")
+    if folder.name not in TABLES:
+        raise ValueError(f"{folder} is not named after a table ({', '.join(TABLES)}): give <out>/<table>")
+    plan = json.loads(plan_path.read_text())
+    stages = plan.get("stages", {})
+    rows = [r for r in TABLES[folder.name].rows if any(f"{r.slug}/{s.name}" in stages for s in r.plan())]
+    if seeds is None:
+        found = {int(m.group(1)) for p in folder.glob("*/seed*") if (m := re.fullmatch(r"seed(\d+)", p.name))}
+        seeds = sorted(found) or [0]
+    budget = plan["budget"]
+    planned = f"{budget['minutes']:g} minutes" if "minutes" in budget else f"{budget['epochs']} epoch(s)"
+    lines = [f"Table {folder.name} in {folder}: {planned} a row and seed, {plan['steps_per_epoch']} steps an epoch."]
+    holder = live_holder(folder)
+    if holder:
+        lines.append(f"Being run now by {describe_holder(holder)}.")
+    lines += ["", "| row | seed | state | steps | minutes left |", "|---|---|---|---|---|"]
+    left_total, unknown, waiting = 0.0, False, 0
+    for seed in seeds:
+        state = "done" if (folder / "random_init" / f"seed{seed}" / "result.json").is_file() else "not evaluated"
+        waiting += state != "done"
+        lines.append(f"| random init | {seed} | {state} | - | - |")
+        for row in rows:
+            run = folder / row.slug / f"seed{seed}"
+            multi = len(row.plan()) > 1
+            done_steps, all_steps, left, state = 0, 0, 0.0, None
+            for stage in row.plan():
+                entry = stages.get(f"{row.slug}/{stage.name}")
+                if entry is None:  # planned by a later call (--rows)
+                    state, unknown = state or f"{stage.name} not planned yet", True
+                    continue
+                all_steps += entry["steps"]
+                if (run / "result.json").is_file():
+                    done_steps += entry["steps"]
+                    continue
+                run_dir = run / stage.name if multi else run
+                ckpt = run_dir / "checkpoint.pt"
+                at = load_checkpoint(ckpt)["iteration"] if ckpt.is_file() else 0
+                done_steps += at
+                if entry.get("seconds_per_step") is None:
+                    unknown = unknown or at < entry["steps"]
+                else:
+                    left += max(0, entry["steps"] - at) * entry["seconds_per_step"] / 60
+                if at < entry["steps"] and state is None:
+                    which = f" ({stage.name})" if multi else ""
+                    if live_holder(run_dir):
+                        state = f"running, iteration {at} of {entry['steps']}{which}"
+                    else:
+                        state = f"stopped at iteration {at} of {entry['steps']}{which}" if at else f"not started{which}"
+            if (run / "result.json").is_file():
+                state = "done"
+            else:
+                state = state or "trained, not yet evaluated"
+                waiting += 1
+            left_total += left
+            lines.append(f"| {row.label} | {seed} | {state} | {done_steps} / {all_steps} | {left:.1f} |")
+    if waiting:
+        total = f"about {left_total:.1f} minutes of training" + (" and stages without a timed step" if unknown else "")
+        lines += [
+            "",
+            f"Left: {waiting} run(s) to finish or evaluate, {total} (evaluation not counted); the same "
+            "`obow tables run` command (with these --seeds) resumes them.",
+        ]
+    else:
+        lines += ["", "Every planned row is done for these seeds."]
+    return "\n".join(lines) + "\n"
 
 
 def machine_description() -> str:

@@ -133,6 +133,28 @@ def read_holder(fd: int) -> dict[str, Any]:
     return holder if isinstance(holder, dict) else {}
 
 
+def live_holder(folder: str | Path) -> dict[str, Any] | None:
+    """The process named in ``folder``'s lock file when it is alive on this host, else ``None``; for reports
+    (``obow tables status``): it only reads the file and never takes the lock, so it cannot get in a starting
+    run's way. A holder on another host is reported as it is (it cannot be checked from here)."""
+    try:
+        text = (Path(folder) / LOCK_NAME).read_text(errors="replace")
+        holder = json.loads(text) if text.strip() else {}
+    except (OSError, ValueError):
+        return None
+    if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int):
+        return None
+    if holder.get("host") != socket.gethostname():
+        return holder
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return None  # it ended without a clean exit; the next run takes the lock over
+    except PermissionError:
+        pass  # alive, another user's
+    return holder
+
+
 def describe_holder(holder: dict[str, Any]) -> str:
     if not holder:  # it has the lock but has not written its name yet
         return "another process (it has just started)"

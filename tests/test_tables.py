@@ -17,8 +17,10 @@ from obow.experiments.tables import (
     _placeholders,
     compare_budgets,
     compare_levers,
+    curves_text,
     list_tables,
     markdown,
+    monitor_curves,
     select_rows,
 )
 
@@ -413,3 +415,43 @@ def test_status_reads_each_row_and_seed_from_the_folder_and_sums_the_minutes_lef
     (renamed / "plan.json").write_text((folder / "plan.json").read_text())
     result = obow_cli("tables", "status", renamed, check=False)
     assert result.code == 2 and "not named after a table" in result.err
+
+
+def test_curves_are_the_monitor_points_of_the_runs_logs_at_equal_steps_and_planned_minutes(
+    tmp_path, write_images, obow_cli
+):
+    recipe, data, out = _tiny_table(tmp_path, write_images)
+    args = ["tables", "run", "table3", "--data", data, "--recipe", recipe, "--out", out, "--budget", "2"]
+    obow_cli(*args, "--rows", "4", "--curve-every", "1", "--k", "5", "--episodes", "5")
+    folder = out / "table3"
+    logged = [json.loads(line) for line in (folder / "hard_fixed" / "seed0" / "log.jsonl").read_text().splitlines()]
+    expected = {r["iteration"]: r["knn_top1"] for r in logged if r.get("type") == "epoch"}
+    assert sorted(expected) == [2, 4] and monitor_curves(folder) == {"hard, fixed": {0: expected}}
+    assert "| hard, fixed | 2 | - | " in obow_cli("tables", "curves", folder).out  # epochs budget: no timed step
+
+    # hand-worked: two rows, two seeds, seed 1 of row 1 stopped early; 3.0 s a step for row 1, 6.0 for row 4
+    hand = tmp_path / "hand" / "table3"
+    plan = {"budget": {"minutes": 1}, "steps_per_epoch": 2}
+    plan["stages"] = {
+        "soft_dynamic/pretrain": {"seconds_per_step": 3.0},
+        "hard_fixed/pretrain": {"seconds_per_step": 6.0},
+    }
+    points = {("soft_dynamic", 0): {10: 30.0, 20: 32.0}, ("soft_dynamic", 1): {10: 31.0}, ("hard_fixed", 0): {20: 40.0}}
+    for (slug, seed), knn in points.items():
+        run = hand / slug / f"seed{seed}"
+        run.mkdir(parents=True)
+        records = [{"iteration": 5, "loss": 1.0}]  # a step record: not a monitor point
+        records += [{"type": "epoch", "iteration": it, "knn_top1": v} for it, v in knn.items()]
+        records.append({"type": "epoch", "iteration": 25, "loss": 1.0})  # an epoch without the monitor
+        (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (hand / "plan.json").write_text(json.dumps(plan))
+    text = curves_text(hand)
+    assert "| row | step 20 |" in text  # 10 is not monitored by row 4
+    assert "| soft, dynamic | 32.00 (1) |" in text and "| hard, fixed | 40.00 (1) |" in text  # of 2 seeds
+    assert "| soft, dynamic | 10 | 0.5 | 30.50 |" in text  # mean of 30 and 31; 10 steps x 3 s
+    assert "| soft, dynamic | 20 | 1.0 | 32.00 (1) |" in text and "| hard, fixed | 20 | 2.0 | 40.00 (1) |" in text
+    assert monitor_curves(hand, seeds=[1]) == {"soft, dynamic": {1: {10: 31.0}}}
+    with pytest.raises(ValueError, match="no kNN monitor points"):
+        curves_text(hand, seeds=[7])
+    with pytest.raises(ValueError, match="not a table folder"):
+        monitor_curves(tmp_path / "hand")

@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tables", help="list the paper's comparison tables, or run one (every row, same budget)")
     p.set_defaults(func=cmd_tables_list)
-    tables = p.add_subparsers(title="table commands", metavar="run | status | budgets | levers")
+    tables = p.add_subparsers(title="table commands", metavar="run | status | curves | budgets | levers")
     r = tables.add_parser("run", help="train and evaluate every row of a table; resumes, skips finished rows")
     r.add_argument("name", help="table1 ... table5 or mocov2 (see `obow tables`)")
     r.add_argument("--data", required=True, help="a folder with train/ and test/ (or val/) class folders")
@@ -165,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("folder", help="the table's folder, <out>/<table> (e.g. runs/tables/mocov2)")
     st.add_argument("--seeds", nargs="+", type=int, help="these seeds (default: every seed with a folder there)")
     st.set_defaults(func=cmd_tables_status)
+    cu = tables.add_parser("curves", help="the kNN monitor of every row: at equal steps, and with planned minutes")
+    cu.add_argument("folder", help="the table's folder, <out>/<table>, run with --curve-every N")
+    cu.add_argument("--seeds", nargs="+", type=int, help="these seeds (default: every seed with a folder there)")
+    cu.set_defaults(func=cmd_tables_curves)
     for command, help_text, first, versus, func in (
         (
             "budgets",
@@ -272,6 +276,13 @@ def cmd_tables_status(args: argparse.Namespace) -> int:
     from obow.experiments.tables import table_status
 
     print(table_status(args.folder, args.seeds), end="")
+    return 0
+
+
+def cmd_tables_curves(args: argparse.Namespace) -> int:
+    from obow.experiments.tables import curves_text
+
+    print(curves_text(args.folder, args.seeds), end="")
     return 0
 
 

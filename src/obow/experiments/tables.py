@@ -58,6 +58,8 @@ each, resumable) with ``result.json`` once finished; re-running the command trai
 missing (``--rows`` picks rows, ``--seeds`` the seeds), so a table can be completed over several sessions.
 ``obow tables status <out>/<table>`` (:func:`table_status`) reports, from the files alone, each planned row and
 seed's state and the minutes of training left.
+``obow tables curves <out>/<table>`` (:func:`curves_text`) prints the kNN monitor of every row (``--curve-every``)
+at equal steps and with its planned minutes.
 ``table.json`` and ``table.md`` hold the whole table: every seed's scores, their mean and spread, the plan,
 the protocol and the machine.
 
@@ -686,6 +688,85 @@ def table_status(folder: str | Path, seeds: list[int] | None = None) -> str:
         ]
     else:
         lines += ["", "Every planned row is done for these seeds."]
+    return "\n".join(lines) + "\n"
+
+
+def monitor_curves(folder: str | Path, seeds: list[int] | None = None) -> dict[str, dict[int, dict[int, float]]]:
+    """The kNN monitor's points of every row of a table folder (``--curve-every``), read from each run's
+    ``log.jsonl``: ``{row label: {seed: {iteration: knn_top1}}}``. A row of several stages counts its later
+    stages' iterations after the earlier stages' planned steps. Rows and seeds without points are left out."""
+    folder = Path(folder)
+    plan_path = folder / "plan.json"
+    if not plan_path.is_file() or folder.name not in TABLES:
+        raise ValueError(f"{folder} is not a table folder: give <out>/<table> with its plan.json (e.g. runs/x/mocov2)")
+    stages = json.loads(plan_path.read_text()).get("stages", {})
+    curves: dict[str, dict[int, dict[int, float]]] = {}
+    for row in TABLES[folder.name].rows:
+        runs = [p for p in folder.glob(f"{row.slug}/seed*") if re.fullmatch(r"seed\d+", p.name)]
+        for run in sorted(runs, key=lambda p: int(p.name[4:])):
+            if seeds is not None and int(run.name[4:]) not in seeds:
+                continue
+            points, offset = {}, 0
+            for stage in row.plan():
+                log_path = (run / stage.name if len(row.plan()) > 1 else run) / "log.jsonl"
+                for line in log_path.read_text().splitlines() if log_path.is_file() else []:
+                    record = json.loads(line)
+                    if record.get("type") == "epoch" and "knn_top1" in record:
+                        points[offset + record["iteration"]] = record["knn_top1"]
+                offset += stages.get(f"{row.slug}/{stage.name}", {}).get("steps", 0)
+            if points:
+                curves.setdefault(row.label, {})[int(run.name[4:])] = points
+    return curves
+
+
+def curves_text(folder: str | Path, seeds: list[int] | None = None) -> str:
+    """``obow tables curves``: the kNN monitor of every row at the iterations every row monitored (equal
+    steps: what a step of each method learns), then every point with its planned minutes (the row's steps times
+    its timed seconds a step: equal time), each the mean over the seeds that reached it."""
+    folder = Path(folder)
+    curves = monitor_curves(folder, seeds)
+    if not curves:
+        raise ValueError(f"{folder}: no kNN monitor points in any run's log.jsonl (run the table with --curve-every N)")
+    plan = json.loads((folder / "plan.json").read_text())
+    slugs = {r.label: r.slug for r in TABLES[folder.name].rows}
+
+    def mean_at(label: str, it: int) -> tuple[float, int] | None:
+        values = [points[it] for points in curves[label].values() if it in points]
+        return (statistics.fmean(values), len(values)) if values else None
+
+    def seconds(label: str) -> float | None:
+        timed = [
+            v.get("seconds_per_step") for k, v in plan.get("stages", {}).items() if k.startswith(slugs[label] + "/")
+        ]
+        return timed[0] if len(timed) == 1 and timed[0] else None
+
+    shared = sorted(set.intersection(*(set().union(*map(set, c.values())) for c in curves.values())))
+    seen = sorted({s for c in curves.values() for s in c})
+    lines = [
+        f"kNN monitor (top-1 %, test images) of table {folder.name} in {folder}; mean over seeds "
+        f"{', '.join(map(str, seen))} (a point's seed count in brackets where fewer seeds reached it).",
+        "",
+        "At equal steps (the iterations every row monitored):",
+        "",
+    ]
+    if not shared:
+        lines.append("(no iteration was monitored by every row: give the rows the same --curve-every)")
+    else:
+        lines += ["| row | " + " | ".join(f"step {it}" for it in shared) + " |", "|---|" + "---|" * len(shared)]
+    for label in curves if shared else ():
+        cells = []
+        for it in shared:
+            value, n = mean_at(label, it)
+            cells.append(f"{value:.2f}" + (f" ({n})" if n < len(seen) else ""))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "Every point, with its planned minutes (steps x the row's timed seconds a step):", ""]
+    lines += ["| row | step | planned min | kNN |", "|---|---|---|---|"]
+    for label in curves:
+        per_step = seconds(label)
+        for it in sorted(set().union(*map(set, curves[label].values()))):
+            value, n = mean_at(label, it)
+            minutes = "-" if per_step is None else f"{it * per_step / 60:.1f}"
+            lines.append(f"| {label} | {it} | {minutes} | {value:.2f}" + (f" ({n})" if n < len(seen) else "") + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -63,6 +63,7 @@ def test_pretrain_writes_checkpoint_logs_and_monitor(tiny_run, obow_cli, read_lo
     assert read_log(again) == records
 
 
+@pytest.mark.slow  # a real process: CI runs it (--runslow)
 def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_recipe, write_images, obow_cli, read_log):
     data = write_images(tmp_path / "data", per_class=40)  # 80 images: 10 iterations per epoch, 20 in all
     args = ["pretrain", "--config", tiny_recipe, "--data", data, "optim.epochs=2", "train.checkpoint_every=1"]
@@ -89,6 +90,7 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_recipe, write_ima
     assert [r["iteration"] for r in read_log(out) if r.get("type") != "epoch"] == list(range(1, 21))
 
 
+@pytest.mark.slow  # a real process: CI runs it (--runslow)
 def test_interrupt_writes_a_mid_epoch_checkpoint(tmp_path, tiny_recipe, write_images, read_log):
     data = write_images(tmp_path / "data", per_class=40)
     out = tmp_path / "run"

@@ -13,7 +13,14 @@ from reference import kl_loss as ref_kl_loss
 from reference import np64
 from reference import weight_generator as ref_weight_generator
 
-TINY = dict(arch="resnet18", stem="cifar", num_words=16, kappa=5.0, delta_base=0.1)
+TINY = dict(
+    arch="timm:resnet18",
+    arch_options={"channels": [8, 8, 16, 16], "stem_width": 8},
+    stem="cifar",
+    num_words=16,
+    kappa=5.0,
+    delta_base=0.1,
+)
 
 
 def tiny_model(total_iterations=10, **overrides):
@@ -94,7 +101,8 @@ def test_teacher_ema_update_matches_reference_and_leaves_buffers_alone():
             p.add_(torch.randn_like(p))
     teacher_before = [np64(p).copy() for p in model.teacher.parameters()]
     buffers_before = [b.clone() for b in model.teacher.buffers()]
-    model.student.bn1.running_mean.add_(5.0)  # student statistics must not leak into the teacher
+    first_bn = next(m for m in model.student.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    first_bn.running_mean.add_(5.0)  # student statistics must not leak into the teacher
     model.update_teacher(0.9)
     for t0, s, t in zip(teacher_before, model.student.parameters(), model.teacher.parameters(), strict=True):
         np.testing.assert_allclose(np64(t), 0.9 * t0 + 0.1 * np64(s), rtol=1e-5, atol=1e-6)

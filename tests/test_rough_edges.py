@@ -105,6 +105,7 @@ def test_zero_byte_files_are_skipped_at_scan_time(tmp_path, noise_images):
         scan_images(tmp_path / "b")
 
 
+@pytest.mark.slow  # a real process: CI runs it (--runslow)
 def test_only_image_unreadable_is_a_one_line_error(tmp_path, tiny_recipe):
     """The whole stderr of a real process (a data-loader worker's traceback included) holds one error line."""
     (tmp_path / "data" / "c").mkdir(parents=True)

@@ -413,6 +413,7 @@ def test_an_out_under_a_regular_file_is_one_line_in_every_command(tmp_path, caps
         assert line.endswith(f"{blocker} is a file, not a folder"), (name, line)
 
 
+@pytest.mark.slow  # a real process: CI runs it (--runslow)
 def test_pretrain_with_an_out_under_a_regular_file(setup, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")

@@ -453,5 +453,5 @@ def test_curves_are_the_monitor_points_of_the_runs_logs_at_equal_steps_and_plann
     assert monitor_curves(hand, seeds=[1]) == {"soft, dynamic": {1: {10: 31.0}}}
     with pytest.raises(ValueError, match="no kNN monitor points"):
         curves_text(hand, seeds=[7])
-    with pytest.raises(ValueError, match="not a table folder"):
+    with pytest.raises(ValueError, match="no plan.json in"):
         monitor_curves(tmp_path / "hand")

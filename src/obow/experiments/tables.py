@@ -613,6 +613,15 @@ def _run_row(row: Row, folder: Path, recipe: str, common: list[str], values: dic
     return {"label": row.label, "slug": row.slug, "checkpoint": checkpoint, "steps": steps, "minutes": seconds / 60}
 
 
+def read_table_plan(folder: Path) -> dict:
+    """The ``plan.json`` of a table folder ``<out>/<table>``, or a ``ValueError`` that says what to give."""
+    if not (folder / "plan.json").is_file():
+        raise ValueError(f"no plan.json in {folder}: give a table folder, <out>/<table> (e.g. runs/tables/mocov2)")
+    if folder.name not in TABLES:
+        raise ValueError(f"{folder} is not named after a table ({', '.join(TABLES)}): give <out>/<table>")
+    return json.loads((folder / "plan.json").read_text())
+
+
 def table_status(folder: str | Path, seeds: list[int] | None = None) -> str:
     """Where a table folder stands (``obow tables status``), read from its files without taking any lock:
     every planned row and seed (``seeds``, or every seed with a folder there) as done, trained but not yet
@@ -622,12 +631,7 @@ def table_status(folder: str | Path, seeds: list[int] | None = None) -> str:
     from obow.weights.checkpoint import load_checkpoint
 
     folder = Path(folder)
-    plan_path = folder / "plan.json"
-    if not plan_path.is_file():
-        raise ValueError(f"no plan.json in {folder}: give a table folder, <out>/<table> (e.g. runs/tables/mocov2)")
-    if folder.name not in TABLES:
-        raise ValueError(f"{folder} is not named after a table ({', '.join(TABLES)}): give <out>/<table>")
-    plan = json.loads(plan_path.read_text())
+    plan = read_table_plan(folder)
     stages = plan.get("stages", {})
     rows = [r for r in TABLES[folder.name].rows if any(f"{r.slug}/{s.name}" in stages for s in r.plan())]
     if seeds is None:
@@ -696,10 +700,7 @@ def monitor_curves(folder: str | Path, seeds: list[int] | None = None) -> dict[s
     ``log.jsonl``: ``{row label: {seed: {iteration: knn_top1}}}``. A row of several stages counts its later
     stages' iterations after the earlier stages' planned steps. Rows and seeds without points are left out."""
     folder = Path(folder)
-    plan_path = folder / "plan.json"
-    if not plan_path.is_file() or folder.name not in TABLES:
-        raise ValueError(f"{folder} is not a table folder: give <out>/<table> with its plan.json (e.g. runs/x/mocov2)")
-    stages = json.loads(plan_path.read_text()).get("stages", {})
+    stages = read_table_plan(folder).get("stages", {})
     curves: dict[str, dict[int, dict[int, float]]] = {}
     for row in TABLES[folder.name].rows:
         runs = [p for p in folder.glob(f"{row.slug}/seed*") if re.fullmatch(r"seed\d+", p.name)]
@@ -727,7 +728,7 @@ def curves_text(folder: str | Path, seeds: list[int] | None = None) -> str:
     curves = monitor_curves(folder, seeds)
     if not curves:
         raise ValueError(f"{folder}: no kNN monitor points in any run's log.jsonl (run the table with --curve-every N)")
-    plan = json.loads((folder / "plan.json").read_text())
+    plan = read_table_plan(folder)
     slugs = {r.label: r.slug for r in TABLES[folder.name].rows}
 
     def mean_at(label: str, it: int) -> tuple[float, int] | None:

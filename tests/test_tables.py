@@ -22,6 +22,7 @@ from obow.experiments.tables import (
     markdown,
     monitor_curves,
     select_rows,
+    training_minutes,
 )
 
 TINY = """
@@ -144,6 +145,11 @@ def test_tiny_minutes_table_with_two_seeds_plans_trains_and_aggregates(tmp_path,
     for seed in (0, 1):  # each seed is its own run, with its own seed
         saved = load_config(out / "table3" / "hard_fixed" / f"seed{seed}" / "config.yaml")
         assert saved.train.seed == seed and saved.optim.epochs == 1 and saved.optim.warmup_epochs == 0.5
+        log_path = out / "table3" / "hard_fixed" / f"seed{seed}" / "log.jsonl"
+        epoch_s = [
+            r["epoch_time_s"] for r in map(json.loads, log_path.read_text().splitlines()) if r.get("type") == "epoch"
+        ]
+        assert len(epoch_s) == 1 and row["runs"][seed]["minutes"] == pytest.approx(epoch_s[0] / 60)  # train min
     assert (out / "table3" / "table.md").read_text() == markdown(record, TABLES["table3"].columns)
 
     # the folder's budget is fixed: another budget is refused, naming both
@@ -151,6 +157,26 @@ def test_tiny_minutes_table_with_two_seeds_plans_trains_and_aggregates(tmp_path,
         from obow.experiments.tables import run_table
 
         run_table("table3", data, 2, recipe=str(recipe), out=out, rows=["4"], k=5, episodes=5)
+
+
+def test_training_minutes_sum_the_epochs_across_resumes_and_stages(tmp_path):
+    def log(path, records):
+        path.mkdir(parents=True)
+        (path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    run = tmp_path / "seed0"
+    log(
+        run / "first",
+        [
+            {"epoch": 1, "iteration": 1, "lr": 0.1},  # a step record: no time of its own
+            {"type": "epoch", "epoch": 1, "iteration": 2, "epoch_time_s": 60.0},
+            {"type": "epoch", "epoch": 2, "iteration": 4, "epoch_time_s": 100.0},
+            {"type": "epoch", "epoch": 2, "iteration": 4, "epoch_time_s": 120.0},  # logged again after a resume
+        ],
+    )
+    log(run / "second", [{"type": "epoch", "epoch": 1, "iteration": 2, "epoch_time_s": 30.0}])
+    assert training_minutes(run) == pytest.approx((60 + 120 + 30) / 60)
+    assert training_minutes(tmp_path / "nothing") is None
 
 
 def test_plan_only_times_the_rows_and_trains_nothing_then_the_run_keeps_that_plan(tmp_path, write_images, obow_cli):

@@ -558,9 +558,32 @@ def _scores(network: Any, sets: tuple, device: str, protocol: dict) -> dict[str,
     return evaluate_backbone(network, *sets, device=device, **protocol)
 
 
+def training_minutes(run: Path) -> float | None:
+    """Minutes of training of a row's run folder (every stage's ``log.jsonl`` under it): the sum of its epochs'
+    ``epoch_time_s``, which a resumed run carries over from its checkpoint, so that a run trained over several
+    sessions counts all of them; the kNN monitor and the evaluation are not counted. ``None`` without a log."""
+    logs = sorted(run.rglob("log.jsonl"))
+    if not logs:
+        return None
+    seconds = 0.0
+    for log_path in logs:
+        per_epoch = {}  # an epoch logged again after a resume counts once, with its last record
+        for line in log_path.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("type") == "epoch":
+                per_epoch[record["epoch"]] = record.get("epoch_time_s", 0.0)
+        seconds += sum(per_epoch.values())
+    return seconds / 60
+
+
 def _results(row_folder: Path) -> list[dict[str, Any]]:
-    """The finished seeds of a row, in seed order."""
-    found = [json.loads(p.read_text()) for p in row_folder.glob("seed*/result.json")]
+    """The finished seeds of a row, in seed order; a trained run's minutes are read again from its logs
+    (:func:`training_minutes`)."""
+    found = []
+    for path in row_folder.glob("seed*/result.json"):
+        result = json.loads(path.read_text())
+        minutes = training_minutes(path.parent) if result.get("steps") else None
+        found.append({**result, "minutes": result["minutes"] if minutes is None else minutes})
     return sorted(found, key=lambda r: r["seed"])
 
 
@@ -610,7 +633,14 @@ def _run_row(row: Row, folder: Path, recipe: str, common: list[str], values: dic
         summary = pretrain(cfg, run_dir, monitor=KNNMonitor)
         seconds += time.time() - start
         checkpoint, steps = summary["checkpoint"], steps + summary["iteration"]
-    return {"label": row.label, "slug": row.slug, "checkpoint": checkpoint, "steps": steps, "minutes": seconds / 60}
+    minutes = training_minutes(folder)
+    return {
+        "label": row.label,
+        "slug": row.slug,
+        "checkpoint": checkpoint,
+        "steps": steps,
+        "minutes": seconds / 60 if minutes is None else minutes,
+    }
 
 
 def read_table_plan(folder: Path) -> dict:
@@ -866,6 +896,13 @@ def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
         lines.append(line(r["label"], r))
     notes = dict.fromkeys(n for r in (record["random_init"], *record["rows"]) for n in r["notes"])
     lines.extend(["", *(f"- `-`: {note}" for note in notes)] if notes else [])
+    lines.extend(
+        [
+            "",
+            "s/step: the plan's timed step; train min: the training time of a seed, mean over seeds (its epochs' "
+            "times summed across resumes; the kNN monitor and the evaluation not counted).",
+        ]
+    )
     return "\n".join(lines) + "\n"
 
 

@@ -894,8 +894,6 @@ def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
     lines.append(line("random init (same network)", record["random_init"]))
     for r in record["rows"]:
         lines.append(line(r["label"], r))
-    notes = dict.fromkeys(n for r in (record["random_init"], *record["rows"]) for n in r["notes"])
-    lines.extend(["", *(f"- `-`: {note}" for note in notes)] if notes else [])
     lines.extend(
         [
             "",
@@ -903,6 +901,8 @@ def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
             "times summed across resumes; the kNN monitor and the evaluation not counted).",
         ]
     )
+    notes = dict.fromkeys(n for r in (record["random_init"], *record["rows"]) for n in r["notes"])
+    lines.extend(["", *(f"- `-`: {note}" for note in notes)] if notes else [])
     return "\n".join(lines) + "\n"
 
 

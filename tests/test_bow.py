@@ -160,3 +160,23 @@ def test_kl_to_mean_bow_matches_reference():
     expected = np.mean([(row * np.log(row / mean)).sum() for row in p])
     np.testing.assert_allclose(float(bow.kl_to_mean_bow(t)), expected, rtol=1e-5)
     assert float(bow.kl_to_mean_bow(t[:1].repeat(4, 1))) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_prediction_diagnostics_match_a_float64_reference():
+    from obow.bow.loss import prediction_diagnostics
+
+    logits = torch.randn(6, 5, generator=torch.Generator().manual_seed(3)) * 2
+    p = np64(torch.softmax(logits.double(), dim=-1))
+    mean = p.mean(axis=0)
+    kl = np.mean([np.sum(row * (np.log(row) - np.log(mean))) for row in p])
+    perplexity_image = np.mean([np.exp(-np.sum(row * np.log(row))) for row in p])
+    got = prediction_diagnostics(logits)
+    np.testing.assert_allclose(float(got["predicted_kl_to_mean"]), kl, rtol=1e-5)
+    np.testing.assert_allclose(float(got["predicted_perplexity_image"]), perplexity_image, rtol=1e-5)
+    np.testing.assert_allclose(
+        float(got["predicted_perplexity_batch"]), np.exp(-np.sum(mean * np.log(mean))), rtol=1e-5
+    )
+    # a student that predicts one BoW for every view: no spread, whatever that BoW is
+    same = prediction_diagnostics(logits[:1].repeat(4, 1))
+    assert float(same["predicted_kl_to_mean"]) == pytest.approx(0.0, abs=1e-6)
+    assert float(same["predicted_perplexity_image"]) == pytest.approx(float(same["predicted_perplexity_batch"]))

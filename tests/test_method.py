@@ -78,6 +78,11 @@ def test_loss_weighting_matches_reference(weighting):
             targets = np.repeat(np64(out.targets[lvl]), n, axis=0)  # image-major, like the flattened views
             level_losses.append(ref_kl_loss(logits, targets))
             np.testing.assert_allclose(float(out.metrics[f"loss/group{g}/{lvl}"]), level_losses[-1], rtol=1e-4)
+            if g == 0:  # how far the first group's predictions spread around their mean
+                p = np.exp(logits - logits.max(axis=1, keepdims=True))
+                p /= p.sum(axis=1, keepdims=True)
+                spread = np.mean(np.sum(p * (np.log(p) - np.log(p.mean(axis=0))), axis=1))
+                np.testing.assert_allclose(float(out.metrics[f"{lvl}/predicted_kl_to_mean"]), spread, rtol=1e-3)
         group = np.mean(level_losses)
         expected += group if weighting == "group_sum" else group * n / total_views
     np.testing.assert_allclose(float(out.loss.detach()), expected, rtol=1e-4)

@@ -273,6 +273,43 @@ def test_tiny_table3_run_writes_the_table_and_resumes_without_retraining(tmp_pat
     assert text == markdown(record, TABLES["table3"].columns) and text.count("\n| ") == 5
 
 
+def test_results_from_continues_a_published_table_on_another_machine_without_retraining(
+    tmp_path, write_images, obow_cli
+):
+    """A table is finished over several sessions on machines that share only the published table.json and
+    plan.json: the run folders of the first machine are gone, its finished row seeds count, the plan is kept."""
+    recipe, data, out = _tiny_table(tmp_path, write_images)
+    args = ["tables", "run", "table3", "--data", data, "--budget", "1", "--recipe", recipe, "--k", "5"]
+    obow_cli(*args, "--out", out / "first", "--rows", "4", "--episodes", "5")
+    published = tmp_path / "published"  # what a session commits: the text files, not the run folders
+    published.mkdir()
+    for name in ("table.json", "plan.json"):
+        (published / name).write_text((out / "first" / "table3" / name).read_text())
+    source = json.loads((published / "table.json").read_text())
+
+    printed = obow_cli(*args, "--out", out / "next", "--rows", "4", "--episodes", "5", "--results-from", published).out
+    folder = out / "next" / "table3"
+    assert not (folder / "hard_fixed" / "seed0" / "checkpoint.pt").exists()  # nothing trained again
+    assert not (folder / "random_init" / "seed0" / "log.jsonl").exists()
+    record = json.loads((folder / "table.json").read_text())
+    assert [r["scores"] for r in record["rows"][0]["runs"]] == [r["scores"] for r in source["rows"][0]["runs"]]
+    assert record["random_init"]["mean"] == source["random_init"]["mean"]
+    assert record["rows"][0]["minutes"] == source["rows"][0]["minutes"]  # the first machine's training time
+    assert record["continued_from"] == [str(published / "table.json")] and "Continued from" in printed
+    plan = json.loads((folder / "plan.json").read_text())
+    assert plan["stages"] == source["plan"]["stages"] and plan["plan_from"] == str(published / "plan.json")
+
+    # a different setting is refused, naming the key and both values
+    wrong = obow_cli(
+        *args, "--out", out / "third", "--episodes", "5", "--results-from", published, "model.kappa=6", check=False
+    )
+    assert wrong.code == 2 and "its overrides is []" in wrong.err and "model.kappa=6" in wrong.err
+    fewer = obow_cli(*args, "--out", out / "third", "--episodes", "7", "--results-from", published, check=False)
+    assert fewer.code == 2 and "its protocol" in fewer.err and "'episodes': 7" in fewer.err
+    nothing = obow_cli(*args, "--out", out / "third", "--results-from", tmp_path, check=False)
+    assert nothing.code == 2 and "needs table.json and plan.json" in nothing.err
+
+
 def test_crossing_budget_reads_the_gap_as_a_line_in_log_minutes():
     # hand-worked: the gap closes by one point per doubling, -2 at 10 minutes, so it is zero at 40 minutes
     c = crossing_budget([10, 20], [-2.0, -1.0])

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from obow.bow.targets import at_least_float32
+from obow.bow.targets import at_least_float32, bow_perplexity, kl_to_mean_bow
 
 
 def bow_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -31,3 +31,21 @@ def bow_loss(logits: Tensor, targets: Tensor) -> Tensor:
     cross_entropy = -(targets * log_probs).sum(dim=-1)
     neg_entropy = torch.special.xlogy(targets, targets).sum(dim=-1)
     return (cross_entropy + neg_entropy).mean()
+
+
+@torch.no_grad()
+def prediction_diagnostics(logits: Tensor) -> dict[str, Tensor]:
+    """How image-specific the student's predicted BoWs are, from its ``[N, K]`` logits (one row a view).
+
+    ``predicted_kl_to_mean``: ``mean_i KL(p_i || mean_j p_j)`` of the predictions ``p = softmax(logits)``, 0 for
+    a student that predicts the same BoW for every view; the targets' ``kl_to_mean_bow`` is what predictions
+    that matched their targets would reach. ``predicted_perplexity_image`` / ``_batch``: the perplexity of
+    each prediction (mean over views) and of their mean, as the targets' ``perplexity_image`` / ``_batch``.
+    """
+    p = F.softmax(at_least_float32(logits.detach()), dim=-1)
+    batch, image = bow_perplexity(p)
+    return {
+        "predicted_kl_to_mean": kl_to_mean_bow(p),
+        "predicted_perplexity_image": image,
+        "predicted_perplexity_batch": batch,
+    }

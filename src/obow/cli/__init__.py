@@ -159,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TABLE_DIR",
         help="plan --minutes from the timed steps in another budget's table folder (no re-timing)",
     )
+    r.add_argument(
+        "--results-from",
+        metavar="TABLE_DIR",
+        help="continue a table from its table.json and plan.json (e.g. a published one): its finished rows count",
+    )
     r.add_argument("overrides", nargs="*", metavar="key=value", help="changes to the base recipe for every row")
     r.set_defaults(func=cmd_tables_run)
     st = tables.add_parser("status", help="where a table folder stands: each row and seed, and the minutes left")
@@ -324,6 +329,7 @@ def cmd_tables_run(args: argparse.Namespace) -> int:
             episodes=args.episodes,
             plan_only=args.plan_only,
             timing_from=args.timing_from,
+            results_from=args.results_from,
         )
     except Interrupted as err:
         return exit_code(err)

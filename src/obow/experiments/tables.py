@@ -371,6 +371,7 @@ def run_table(
     curve_every: int = 0,
     plan_only: bool = False,
     timing_from: str | Path | None = None,
+    results_from: str | Path | None = None,
 ) -> dict[str, Any]:
     """Train and evaluate the rows of table ``name`` (see the module docstring) for every seed in ``seeds``,
     each row for ``budget`` epochs or for ``minutes`` of this machine; returns the table's record, also written
@@ -379,7 +380,10 @@ def run_table(
     ``plan_only`` writes ``<out>/<name>/plan.json`` (timing the rows not yet planned) and returns the plan
     without training or evaluating anything. ``timing_from`` (a table folder of the same table, images and
     machine, planned for another ``minutes``) lends its timed steps to the rows not yet planned here, so that a
-    second budget is planned from the same timing and needs no quiet machine."""
+    second budget is planned from the same timing and needs no quiet machine. ``results_from`` (a folder with a
+    ``table.json`` and ``plan.json`` of the same table, images, recipe, changes, protocol and budget, e.g. a
+    published ``docs/results/tables/...`` folder) continues that table on this machine: its plan becomes this
+    folder's, and its finished rows and seeds count as done here (:func:`import_results`)."""
     from obow.config import load_config
     from obow.data.eval_sets import align_classes, eval_dataset
     from obow.data.folders import scan_images
@@ -417,6 +421,17 @@ def run_table(
     chosen = select_rows(table, rows)
     with RunLock(folder):  # one `obow tables run` per table folder: its rows' runs and results are shared
         device = "cuda" if base.train.device != "cpu" and _cuda() else "cpu"
+        if results_from is not None:
+            expected = {
+                "table": name,
+                "recipe": recipe,
+                "budget": {"epochs": budget} if minutes is None else {"minutes": minutes},
+                "train_images": len(train_images),
+                "test_images": len(test_images),
+                "protocol": protocol,
+                "overrides": list(overrides or []),
+            }
+            import_results(Path(results_from), folder, expected, steps_per_epoch)
         plan = _budget_plan(folder, chosen, recipe, common, values, budget, minutes, steps_per_epoch, timing_from)
         if plan_only:
             return plan
@@ -445,6 +460,9 @@ def run_table(
                     record["rows"].append(_aggregate(r.label, r.slug, r.paper, runs))
             found = {run["seed"] for r in (record["random_init"], *record["rows"]) for run in r["runs"]}
             record["seeds"] = sorted(found)
+            record["continued_from"] = sorted(
+                {run["from"] for r in (record["random_init"], *record["rows"]) for run in r["runs"] if "from" in run}
+            )
             _write(folder / "table.json", record)
             with writing(folder / "table.md") as path:
                 path.write_text(markdown(record, table.columns))
@@ -535,6 +553,58 @@ def _budget_plan(
         }
     _write(path, plan)
     return plan
+
+
+def import_results(source: Path, folder: Path, expected: dict[str, Any], steps_per_epoch: int) -> list[str]:
+    """Continue the table whose ``table.json`` and ``plan.json`` are in ``source`` in the table folder ``folder``
+    (``obow tables run --results-from``): a table that takes longer than one machine's session is finished over
+    several, on machines that share only small text files. Everything in ``expected`` (table, recipe, budget,
+    image counts, protocol, changes) must be the source's, or a ``ValueError`` names what differs. The source's
+    plan becomes this folder's (the same steps for every row, however fast this machine is; a folder planned
+    already must hold the same stages), and each of its finished row seeds is written as this folder's
+    ``<row>/seed<N>/result.json``, marked ``"from"``, unless this folder has that result already. Returns the
+    ``<row>/seed<N>`` names imported."""
+    table_path, plan_path = source / "table.json", source / "plan.json"
+    if not table_path.is_file() or not plan_path.is_file():
+        raise ValueError(f"--results-from {source}: needs table.json and plan.json there (a table folder)")
+    record, plan = json.loads(table_path.read_text()), json.loads(plan_path.read_text())
+    for key, value in expected.items():
+        theirs = record.get(key)
+        if theirs != value:
+            raise ValueError(
+                f"--results-from {source}: its {key} is {theirs!r}, this call's is {value!r}; results can only "
+                "continue the same table on the same images, recipe, changes, protocol and budget"
+            )
+    if plan.get("steps_per_epoch") != steps_per_epoch or plan.get("budget") != expected["budget"]:
+        raise ValueError(
+            f"--results-from {source}: its plan.json is not for {expected['budget']} and "
+            f"{steps_per_epoch} steps an epoch"
+        )
+    own_plan = folder / "plan.json"
+    if own_plan.exists():
+        ours = json.loads(own_plan.read_text()).get("stages", {})
+        clash = [
+            key for key, stage in plan.get("stages", {}).items() if key in ours and ours[key]["steps"] != stage["steps"]
+        ]
+        if clash:
+            raise ValueError(
+                f"--results-from {source}: {folder} planned {', '.join(clash)} with other steps; use another --out"
+            )
+        merged = {**plan.get("stages", {}), **ours}
+        _write(own_plan, {**json.loads(own_plan.read_text()), "stages": merged})
+    else:
+        _write(own_plan, {**plan, "plan_from": str(plan_path)})
+    imported = []
+    for row in (record["random_init"], *record["rows"]):
+        for run in row["runs"]:
+            name = f"{row['slug']}/seed{run['seed']}"
+            target = folder / name / "result.json"
+            if not target.exists():
+                _write(target, {**run, "from": str(table_path)})
+                imported.append(name)
+    if imported:
+        log.info("continuing %s: %s imported from %s", folder, ", ".join(imported), table_path)
+    return imported
 
 
 def _random_init_result(run: Path, base: Any, seed: int, sets: tuple, device: str, protocol: dict) -> None:
@@ -871,7 +941,14 @@ def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
         f"images; seeds {seeds} (mean ± sample standard deviation); evaluated on {record['test_images']} test images "
         f"(kNN k={protocol['k']}, T={protocol['temperature']}; few-shot {protocol['episodes']} episodes). "
         f"Machine: {record.get('machine', 'not recorded')}."
-        + (f" Changes to the recipe for every row: {', '.join(f'`{o}`' for o in overrides)}." if overrides else ""),
+        + (f" Changes to the recipe for every row: {', '.join(f'`{o}`' for o in overrides)}." if overrides else "")
+        + (
+            f" Continued from {', '.join(f'`{p}`' for p in record['continued_from'])}: the runs found there were "
+            'trained and evaluated in an earlier session with the same plan (their seeds carry `"from"` in '
+            "table.json)."
+            if record.get("continued_from")
+            else ""
+        ),
         "",
         f"| row | {paper_cols} | {ours_cols} | kNN | kNN gain | eff. rank | seeds | steps | s/step | train min |",
         "|---|" + "---|" * (2 * len(columns) + 7),

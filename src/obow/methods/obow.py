@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from obow.backbones import build_backbone
-from obow.bow.loss import bow_loss
+from obow.bow.loss import bow_loss, prediction_diagnostics
 from obow.bow.predictor import BoWPredictor, build_predictor
 from obow.bow.targets import BoWExtractor, BoWTargets, build_extractors
 from obow.bow.vocabulary import build_vocabulary
@@ -202,6 +202,8 @@ class OBoW(Method):
         for level, z in zip(self.levels, logits, strict=True):
             level_loss = bow_loss(z.view(batch, n, -1), targets[level])
             metrics[f"loss/group{g}/{level}"] = level_loss.detach()
+            if g == 0:  # can the student tell images apart yet? (its predictions against its targets' spread)
+                metrics.update({f"{level}/{k}": v for k, v in prediction_diagnostics(z).items()})
             level_losses.append(level_loss)
         group_loss = torch.stack(level_losses).mean()
         return group_loss * group_weight(n, groups, self.loss_weighting)

@@ -87,6 +87,11 @@ def panels_for(runs: Sequence[RunLog]) -> list[Panel]:
             "steps",
             ending("/perplexity_batch") + ending("/perplexity_image", True),
         ),
+        Panel(
+            "spread of the student's predicted BoWs (solid: KL to their mean; dashed: the targets')",
+            "steps",
+            predicted + ending("/kl_to_mean_bow", True) if (predicted := ending("/predicted_kl_to_mean")) else [],
+        ),
         Panel("share of words used", "steps", ending("/words_used")),
     ]
     for key in sorted(k for k in step_keys if k.startswith("student/")):

@@ -135,8 +135,27 @@ def pretrain(cfg: Config, out_dir: str | Path, *, monitor: MonitorFactory | None
     summary: epochs done, iterations, the last epoch's mean loss, and where the checkpoint is. Raises
     :class:`Interrupted` after SIGINT / SIGTERM, once the checkpoint of the last finished step is written.
     """
-    out = Path(out_dir)
+    joined_here = not D.is_distributed()
     device = setup_process(cfg)
+    joined_here = joined_here and D.is_distributed()
+    stopped_together = False  # every process ended at the same step boundary (done, or a signal)
+    try:
+        result = run_pretraining(cfg, Path(out_dir), device, monitor)
+        stopped_together = True
+        return result
+    except Interrupted:
+        stopped_together = True
+        raise
+    finally:
+        if joined_here and stopped_together:
+            # Leave the process group while the interpreter is whole: gloo's worker threads torn down during
+            # interpreter finalization abort the process ("terminate called without an active exception",
+            # SIGABRT), which turns a finished run into a failed torchrun job now and then.
+            dist.destroy_process_group()
+
+
+def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: MonitorFactory | None) -> dict[str, Any]:
+    """:func:`pretrain`'s work, once the process has joined its group and chosen its device."""
     if cfg.data.path is None:
         raise RunError("no training images: set data.path (obow pretrain --data DIR)")
     with RunLock(out, device=device), chosen_threads(cfg):  # one writer per run folder, from here to the end

@@ -214,6 +214,7 @@ def test_diagnostics_are_returned():
             assert torch.isfinite(out.metrics[f"{level}/{key}"])
         assert 0 < float(out.metrics[f"{level}/words_used"]) <= 1
         assert 1 <= float(out.metrics[f"{level}/perplexity_image"]) <= 16
+        assert -1 <= float(out.metrics[f"{level}/weights_mean_cosine"]) <= 1
     assert {"loss", "teacher_momentum", "loss/group1/conv4"} <= set(out.metrics)
 
 

@@ -195,12 +195,13 @@ def test_show_run_plots_a_real_run_and_overlays_two(tiny_run, tmp_path, obow_cli
         "loss per group and level (dashed: kl_to_mean_bow)",
         "BoW perplexity (solid: batch, dashed: per image)",
         "spread of the student's predicted BoWs (solid: KL to their mean; dashed: the targets')",
+        "mean cosine between the prediction weights",
         "share of words used",
         "learning rate",
         "kNN top-1 per epoch (%)",
         "images/s",
     ]
-    assert Image.open(png).size == (3 * 550, 3 * 360)  # 7 panels on a 3-column grid at 100 dpi
+    assert Image.open(png).size == (3 * 550, 3 * 360)  # 8 panels on a 3-column grid at 100 dpi
     # a second run that also logged a student/ metric: the panels of both, the runs overlaid
     other = tmp_path / "run_with_student_metrics"
     other.mkdir()
@@ -210,9 +211,9 @@ def test_show_run_plots_a_real_run_and_overlays_two(tiny_run, tmp_path, obow_cli
             record["student/effective_rank"] = 10.0 + i
     (other / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"cut short')
     both = [read_run(plain), read_run(other)]
-    assert [p.title for p in panels_for(both)][4] == "student/effective_rank"
+    assert [p.title for p in panels_for(both)][5] == "student/effective_rank"
     obow_cli("show", "run", plain, other, "--out", tmp_path / "both.png")
-    assert Image.open(tmp_path / "both.png").size == (3 * 550, 3 * 360)
+    assert Image.open(tmp_path / "both.png").size == (3 * 550, 4 * 360)  # 10 panels
     with pytest.raises(ValueError, match="has no log.jsonl"):
         read_run(tmp_path)
 

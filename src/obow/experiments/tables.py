@@ -582,6 +582,8 @@ def import_results(source: Path, folder: Path, expected: dict[str, Any], steps_p
         )
     own_plan = folder / "plan.json"
     if own_plan.exists():
+        if json.loads(own_plan.read_text()).get("budget") != expected["budget"]:
+            raise ValueError(f"--results-from {source}: {folder} is planned for another budget; use another --out")
         ours = json.loads(own_plan.read_text()).get("stages", {})
         clash = [
             key for key, stage in plan.get("stages", {}).items() if key in ours and ours[key]["steps"] != stage["steps"]

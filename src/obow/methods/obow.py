@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from obow.backbones import build_backbone
-from obow.bow.loss import bow_loss, prediction_diagnostics
+from obow.bow.loss import bow_loss, mean_pairwise_cosine, prediction_diagnostics
 from obow.bow.predictor import BoWPredictor, build_predictor
 from obow.bow.targets import BoWExtractor, BoWTargets, build_extractors
 from obow.bow.vocabulary import build_vocabulary
@@ -174,6 +174,8 @@ class OBoW(Method):
         for level, bow in bows.items():
             metrics.update({f"{level}/{k}": v for k, v in bow.diagnostics.items()})
         weights = self.predictor.weights(vocabularies)
+        for level, w in zip(self.levels, weights, strict=True):
+            metrics[f"{level}/weights_mean_cosine"] = mean_pairwise_cosine(w)
         return {
             "metrics": metrics,
             "bows": bows,

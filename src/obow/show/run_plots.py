@@ -92,6 +92,7 @@ def panels_for(runs: Sequence[RunLog]) -> list[Panel]:
             "steps",
             predicted + ending("/kl_to_mean_bow", True) if (predicted := ending("/predicted_kl_to_mean")) else [],
         ),
+        Panel("mean cosine between the prediction weights", "steps", ending("/weights_mean_cosine")),
         Panel("share of words used", "steps", ending("/words_used")),
     ]
     for key in sorted(k for k in step_keys if k.startswith("student/")):

@@ -95,6 +95,17 @@ def test_teacher_gets_no_gradient_and_student_and_generator_do():
     assert all(p.grad is None and not p.requires_grad for p in model.teacher.parameters())
     assert all(p.grad is not None for p in model.student.parameters())
     assert all(p.grad is not None for p in model.predictor.parameters())
+
+
+def test_learned_kappa_is_trained_with_the_head_and_logged():
+    model = tiny_model(learn_kappa=True, kappa=5.0).train()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    out = model(*tiny_batch())
+    assert [float(out.metrics[f"{level}/kappa"]) for level in model.levels] == [5.0, 5.0]
+    out.loss.backward()
+    assert model.predictor.learned_kappa.grad is not None and bool(model.predictor.learned_kappa.grad.ne(0).all())
+    optimizer.step()
+    assert model.predictor.learned_kappa.ne(5.0).all()
     for b in model.extractors.values():
         assert not b.vocabulary.words.requires_grad
 

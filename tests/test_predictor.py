@@ -73,3 +73,30 @@ def test_normalised_student_features_give_cosine_logits_bounded_by_kappa():
     f = np64(features) / np.linalg.norm(np64(features), axis=1, keepdims=True)
     np.testing.assert_allclose(np64(z), 5.0 * f @ np64(w).T, rtol=1e-5, atol=1e-5)
     assert z.abs().max() <= 5.0 + 1e-5
+
+
+@pytest.mark.parametrize("head_kind", ["dynamic", "fixed"])
+def test_learned_kappa_scales_each_level_and_gets_its_gradient(head_kind):
+    """model.learn_kappa: one learned scale per level, starting at kappa; the logits are that scale times the
+    dot products, and d(sum of logits)/d(kappa_l) = sum of level l's dot products."""
+    if head_kind == "dynamic":
+        head = DynamicBoWPredictor(word_dims=[16, 32], feature_dim=8, kappa=5.0, learn_kappa=True).train()
+    else:
+        head = FixedBoWPredictor(num_words=[20, 20], feature_dim=8, kappa=5.0, learn_kappa=True)
+    assert head.learned_kappa.tolist() == [5.0, 5.0] and head.learned_kappa.requires_grad
+    with torch.no_grad():
+        head.learned_kappa.copy_(torch.tensor([2.0, 7.0]))
+    features = torch.randn(7, 8) * 3
+    weights = [w.detach() for w in head.weights([torch.randn(20, 16).relu(), torch.randn(20, 32).relu()])]
+    logits = head(features, weights)
+    dots = [np64(features) @ np64(w).T for w in weights]
+    for kappa, z, d in zip([2.0, 7.0], logits, dots, strict=True):
+        np.testing.assert_allclose(np64(z), kappa * d, rtol=1e-5, atol=1e-5)
+    sum(z.sum() for z in logits).backward()
+    np.testing.assert_allclose(np64(head.learned_kappa.grad), [d.sum() for d in dots], rtol=1e-4)
+
+
+def test_kappa_is_a_constant_unless_learned():
+    head = DynamicBoWPredictor(word_dims=[16], feature_dim=8, kappa=5.0)
+    assert head.learned_kappa is None and "learned_kappa" not in head.state_dict()
+    assert head.kappas() == [5.0]

@@ -79,11 +79,22 @@ class WeightGenerator(nn.Module):
 class BoWPredictor(nn.Module):
     """Common interface: :meth:`weights` once per step, then :meth:`forward` for every student view group."""
 
-    def __init__(self, kappa: float, normalize_features: bool = False) -> None:
+    def __init__(
+        self, kappa: float, normalize_features: bool = False, levels: int = 1, learn_kappa: bool = False
+    ) -> None:
         super().__init__()
         check_positive("kappa", kappa)
         self.kappa = float(kappa)
         self.normalize_features = normalize_features
+        # learn_kappa (the official code's option, off in its recipes): one learned scale per level, starting at
+        # kappa and trained (and weight-decayed) with the head, as there; without it kappa is a constant.
+        self.learned_kappa = nn.Parameter(torch.full((levels,), self.kappa)) if learn_kappa else None
+
+    def kappas(self) -> list[Tensor | float]:
+        """Each level's scale: the learned one, or the constant ``kappa``."""
+        if self.learned_kappa is None:
+            return [self.kappa] * self.num_levels
+        return list(self.learned_kappa.unbind())
 
     def weights(self, vocabularies: Sequence[Tensor]) -> list[Tensor]:
         """Unit-norm prediction weights ``[K, c]`` for each level's vocabulary ``[K, C_l]``."""
@@ -96,7 +107,7 @@ class BoWPredictor(nn.Module):
         """
         if self.normalize_features:
             features = F.normalize(features, dim=1)
-        return [self.kappa * features @ w.t() for w in weights]
+        return [kappa * features @ w.t() for kappa, w in zip(self.kappas(), weights, strict=True)]
 
 
 class DynamicBoWPredictor(BoWPredictor):
@@ -109,8 +120,10 @@ class DynamicBoWPredictor(BoWPredictor):
         kappa: float = 8.0,
         normalize_features: bool = False,
         split_generator: bool = False,
+        learn_kappa: bool = False,
     ) -> None:
-        super().__init__(kappa, normalize_features)
+        super().__init__(kappa, normalize_features, len(word_dims), learn_kappa)
+        self.num_levels = len(word_dims)
         self.generators = nn.ModuleList(WeightGenerator(c, feature_dim, split_generator) for c in word_dims)
 
     def weights(self, vocabularies: Sequence[Tensor]) -> list[Tensor]:
@@ -122,9 +135,15 @@ class FixedBoWPredictor(BoWPredictor):
     dynamic head, so that the two differ only in where the weights come from (Table 3 ablation)."""
 
     def __init__(
-        self, num_words: Sequence[int], feature_dim: int, kappa: float = 8.0, normalize_features: bool = False
+        self,
+        num_words: Sequence[int],
+        feature_dim: int,
+        kappa: float = 8.0,
+        normalize_features: bool = False,
+        learn_kappa: bool = False,
     ) -> None:
-        super().__init__(kappa, normalize_features)
+        super().__init__(kappa, normalize_features, len(num_words), learn_kappa)
+        self.num_levels = len(num_words)
         self.slot_weights = nn.ParameterList(nn.Parameter(0.01 * torch.randn(k, feature_dim)) for k in num_words)
 
     def weights(self, vocabularies: Sequence[Tensor]) -> list[Tensor]:
@@ -136,6 +155,8 @@ def build_predictor(cfg: ModelConfig, student: nn.Module) -> BoWPredictor:
     if cfg.head == "dynamic":
         word_dims = [student.level_channels[level] for level in cfg.levels]
         return DynamicBoWPredictor(
-            word_dims, student.num_features, cfg.kappa, cfg.normalize_student, cfg.split_generator
+            word_dims, student.num_features, cfg.kappa, cfg.normalize_student, cfg.split_generator, cfg.learn_kappa
         )
-    return FixedBoWPredictor([cfg.num_words] * len(cfg.levels), student.num_features, cfg.kappa, cfg.normalize_student)
+    return FixedBoWPredictor(
+        [cfg.num_words] * len(cfg.levels), student.num_features, cfg.kappa, cfg.normalize_student, cfg.learn_kappa
+    )

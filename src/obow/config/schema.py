@@ -43,7 +43,9 @@ class ModelConfig:
     ``method`` picks the pretraining method (``obow``; the baselines ``mocov2``, ``bownet``, ``rotnet`` read
     the backbone settings here and their own in the ``moco`` / ``bownet`` sections). ``cutmix`` (Table 4's
     "1 x 224 + cutmix", BoWNet's augmentation) pastes, in every student view group, a random box of another
-    image of the batch and mixes the two images' BoW targets by area.
+    image of the batch and mixes the two images' BoW targets by area. ``learn_kappa`` makes each level's
+    ``kappa`` a learned parameter starting at ``kappa`` (an option of the official code that its recipes
+    leave off).
     """
 
     method: str = "obow"
@@ -53,6 +55,7 @@ class ModelConfig:
     levels: tuple[str, ...] = ("conv4", "conv5")
     num_words: int = 8192
     kappa: float = 8.0
+    learn_kappa: bool = False
     delta_base: float = 1 / 15
     assignment: str = "soft"
     pooling: str = "max"

@@ -174,8 +174,10 @@ class OBoW(Method):
         for level, bow in bows.items():
             metrics.update({f"{level}/{k}": v for k, v in bow.diagnostics.items()})
         weights = self.predictor.weights(vocabularies)
-        for level, w in zip(self.levels, weights, strict=True):
+        for level, w, kappa in zip(self.levels, weights, self.predictor.kappas(), strict=True):
             metrics[f"{level}/weights_mean_cosine"] = mean_pairwise_cosine(w)
+            if isinstance(kappa, Tensor):  # model.learn_kappa
+                metrics[f"{level}/kappa"] = kappa.detach().clone()
         return {
             "metrics": metrics,
             "bows": bows,

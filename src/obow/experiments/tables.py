@@ -946,8 +946,8 @@ def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
         + (f" Changes to the recipe for every row: {', '.join(f'`{o}`' for o in overrides)}." if overrides else "")
         + (
             f" Continued from {', '.join(f'`{p}`' for p in record['continued_from'])}: the runs found there were "
-            'trained and evaluated in an earlier session with the same plan (their seeds carry `"from"` in '
-            "table.json)."
+            "trained and evaluated elsewhere (another machine, session or folder) with the same plan (their seeds "
+            'carry `"from"` in table.json).'
             if record.get("continued_from")
             else ""
         ),

@@ -582,9 +582,10 @@ def import_results(source: Path, folder: Path, expected: dict[str, Any], steps_p
         )
     own_plan = folder / "plan.json"
     if own_plan.exists():
-        if json.loads(own_plan.read_text()).get("budget") != expected["budget"]:
+        own = json.loads(own_plan.read_text())
+        if own.get("budget") != expected["budget"]:
             raise ValueError(f"--results-from {source}: {folder} is planned for another budget; use another --out")
-        ours = json.loads(own_plan.read_text()).get("stages", {})
+        ours = own.get("stages", {})
         clash = [
             key for key, stage in plan.get("stages", {}).items() if key in ours and ours[key]["steps"] != stage["steps"]
         ]
@@ -593,7 +594,7 @@ def import_results(source: Path, folder: Path, expected: dict[str, Any], steps_p
                 f"--results-from {source}: {folder} planned {', '.join(clash)} with other steps; use another --out"
             )
         merged = {**plan.get("stages", {}), **ours}
-        _write(own_plan, {**json.loads(own_plan.read_text()), "stages": merged})
+        _write(own_plan, {**own, "stages": merged})
     else:
         _write(own_plan, {**plan, "plan_from": str(plan_path)})
     imported = []

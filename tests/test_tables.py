@@ -518,3 +518,84 @@ def test_curves_are_the_monitor_points_of_the_runs_logs_at_equal_steps_and_plann
         curves_text(hand, seeds=[7])
     with pytest.raises(ValueError, match="no plan.json in"):
         monitor_curves(tmp_path / "hand")
+
+
+def test_jobs_must_be_a_whole_number_of_processes(tmp_path, write_images, obow_cli):
+    recipe, data, out = _tiny_table(tmp_path, write_images)
+    args = ["tables", "run", "table3", "--data", data, "--budget", "1", "--recipe", recipe, "--out", out]
+    wrong = obow_cli(*args, "--jobs", "0", check=False)
+    assert wrong.code == 2 and "--jobs must be a whole number >= 1, got 0" in wrong.err
+    assert not (out / "table3").exists()  # refused before anything is written
+
+
+@pytest.mark.slow
+def test_jobs_train_the_row_seeds_in_parallel_processes_with_the_same_results(tmp_path, write_images, obow_cli):
+    """``--jobs 2``: the random inits and rows of two seeds run two at a time in their own processes, one
+    thread each, and give the same scores and steps as the same table run one task after another."""
+    import torch
+
+    recipe, data, out = _tiny_table(tmp_path, write_images)
+    args = ["tables", "run", "table3", "--data", data, "--budget", "1", "--recipe", recipe, "--rows", "4"]
+    args += ["--seeds", "0", "1", "--k", "5", "--episodes", "5", "train.threads=1"]
+    printed = obow_cli(*args, "--out", out / "parallel", "--jobs", "2")
+    assert "seeds 0, 1" in printed.out
+    assert printed.err.count("started ") == 4 and "(process " in printed.err  # 2 seeds x (random init + row)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # the evaluation's threads, as in the jobs' processes
+    try:
+        obow_cli(*args, "--out", out / "serial")
+    finally:
+        torch.set_num_threads(previous)
+    parallel, serial = (json.loads((out / f / "table3" / "table.json").read_text()) for f in ("parallel", "serial"))
+    for key in ("random_init", "rows"):
+        rows_p, rows_s = (r[key] if key == "rows" else [r[key]] for r in (parallel, serial))
+        for a, b in zip(rows_p, rows_s, strict=True):
+            assert [(r["seed"], r["steps"], r["scores"]) for r in a["runs"]] == [
+                (r["seed"], r["steps"], r["scores"]) for r in b["runs"]
+            ]
+    pids = set()
+    for seed in (0, 1):
+        saved = load_config(out / "parallel" / "table3" / "hard_fixed" / f"seed{seed}" / "config.yaml")
+        assert saved.train.threads == 1 and saved.train.seed == seed
+    for line in printed.err.splitlines():
+        if "(process " in line:
+            pids.add(line.split("(process ")[1].split(",")[0])
+    assert len(pids) == 4  # a fresh process for each task
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_jobs_table_stops_every_process_at_a_checkpoint_and_the_command_resumes(tmp_path, write_images):
+    """A scheduler's SIGTERM to ``obow tables run --jobs 2`` reaches both training processes: each writes a
+    checkpoint and stops, the command exits 143 with no result written, and the same command finishes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    recipe, data, out = _tiny_table(tmp_path, write_images)
+    args = [sys.executable, "-m", "obow.cli", "tables", "run", "table3", "--data", str(data), "--budget", "30"]
+    args += ["--recipe", str(recipe), "--rows", "4", "--seeds", "0", "1", "--k", "5", "--episodes", "5"]
+    args += ["--out", str(out), "--jobs", "2", "train.threads=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    runs = [out / "table3" / "hard_fixed" / f"seed{seed}" for seed in (0, 1)]
+    # seed 0's random init and row start first; seed 1's random init follows the random init
+    deadline = time.time() + 240
+    while time.time() < deadline and not (runs[0] / "checkpoint.pt").exists():
+        assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "SIGTERM: the running tasks finish their step and write a checkpoint" in stderr
+    assert "Interrupted: checkpoint written" in stderr
+    table = out / "table3" / "table.json"  # written after the random inits, if they finished
+    assert not (runs[0] / "result.json").exists()
+    assert not table.exists() or json.loads(table.read_text())["rows"] == []
+
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=400)
+    assert done.returncode == 0, done.stderr
+    record = json.loads((out / "table3" / "table.json").read_text())
+    assert [r["seed"] for r in record["rows"][0]["runs"]] == [0, 1]
+    assert record["rows"][0]["steps"] == 60  # 30 epochs of 2 steps, whatever the interruption
+    assert "Resum" in done.stderr

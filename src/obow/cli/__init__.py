@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TABLE_DIR",
         help="continue a table from its table.json and plan.json (e.g. a published one): its finished rows count",
     )
+    r.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="train this many row-seed runs at once, each in its own process with cores/JOBS threads (default 1)",
+    )
     r.add_argument("overrides", nargs="*", metavar="key=value", help="changes to the base recipe for every row")
     r.set_defaults(func=cmd_tables_run)
     st = tables.add_parser("status", help="where a table folder stands: each row and seed, and the minutes left")
@@ -330,6 +336,7 @@ def cmd_tables_run(args: argparse.Namespace) -> int:
             plan_only=args.plan_only,
             timing_from=args.timing_from,
             results_from=args.results_from,
+            jobs=args.jobs,
         )
     except Interrupted as err:
         return exit_code(err)

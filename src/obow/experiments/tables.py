@@ -26,7 +26,8 @@ folder of the same table (another budget) instead of timing them again. The plan
 its threads: on a 2-core machine two tables can train side by side with ``OMP_NUM_THREADS=1`` each; only the
 wall time in ``table.md`` changes. Measured (2026-11-24): the MoCo v2 table on CIFAR-10 and on Imagenette side by side,
 one thread each, ran OBoW (full) at 7.1 and 7.4 s a step, against 3.85 and 4.06 s timed alone with both
-cores: about 1.1x the work of one table at a time.
+cores: about 1.1x the work of one table at a time. ``--jobs N`` does the same within one table: N of its
+row-seed runs at once, each in its own process (:func:`run_in_processes`).
 
 Settings the tables change for a short run, the same rule for every row:
 
@@ -74,9 +75,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import signal
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -372,6 +377,7 @@ def run_table(
     plan_only: bool = False,
     timing_from: str | Path | None = None,
     results_from: str | Path | None = None,
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """Train and evaluate the rows of table ``name`` (see the module docstring) for every seed in ``seeds``,
     each row for ``budget`` epochs or for ``minutes`` of this machine; returns the table's record, also written
@@ -383,11 +389,14 @@ def run_table(
     second budget is planned from the same timing and needs no quiet machine. ``results_from`` (a folder with a
     ``table.json`` and ``plan.json`` of the same table, images, recipe, changes, protocol and budget, e.g. a
     published ``docs/results/tables/...`` folder) continues that table on this machine: its plan becomes this
-    folder's, and its finished rows and seeds count as done here (:func:`import_results`)."""
+    folder's, and its finished rows and seeds count as done here (:func:`import_results`). ``jobs`` > 1 trains
+    and evaluates that many row-seed runs at once, each in its own process with ``train.threads`` threads
+    (unset: this process's cores divided by ``jobs``) (:func:`run_in_processes`); the plan is made first, here."""
     from obow.config import load_config
     from obow.data.eval_sets import align_classes, eval_dataset
     from obow.data.folders import scan_images
     from obow.training.lock import RunLock
+    from obow.training.loop import available_cores
 
     if name not in TABLES:
         raise ValueError(f"unknown table {name!r}; choose one of: {', '.join(TABLES)}")
@@ -397,6 +406,8 @@ def run_table(
         raise ValueError(f"--budget must be a whole number of epochs >= 1, got {budget!r}")
     if minutes is not None and not minutes > 0:
         raise ValueError(f"--minutes must be > 0, got {minutes!r}")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"--jobs must be a whole number >= 1, got {jobs!r}")
     seeds = tuple(seeds)
     if not seeds or len(set(seeds)) != len(seeds) or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
         raise ValueError(f"--seeds must be distinct whole numbers, got {list(seeds)!r}")
@@ -468,16 +479,24 @@ def run_table(
                 path.write_text(markdown(record, table.columns))
             return record
 
-        for seed in seeds:
-            _random_init_result(folder / "random_init" / f"seed{seed}", base, seed, sets, device, protocol)
-            for row in chosen:
-                result = folder / row.slug / f"seed{seed}" / "result.json"
-                if not result.exists():
-                    done = _run_row(row, result.parent, recipe, [*common, f"train.seed={seed}"], values, plan)
-                    done["scores"] = _scores(done.pop("checkpoint"), sets, device, protocol)
-                    _write(result, {**done, "seed": seed})
-                    write_table()
-                log.info("%s: %s, seed %d done", name, row.label, seed)
+        tasks = [
+            Task(row, seed) for seed in seeds for row in (None, *chosen) if not Task(row, seed).result(folder).exists()
+        ]
+        if jobs == 1 or len(tasks) < 2:
+            for task in tasks:
+                _run_task(task, folder, recipe, common, values, plan, base, sets, device, protocol)
+                write_table()
+                log.info("%s: %s done", name, task)
+        else:
+            threads = base.train.threads or max(1, available_cores() // jobs)
+            job_common = [*common, f"train.threads={threads}"]
+            run_in_processes(
+                tasks,
+                jobs,
+                threads,
+                lambda task: (task, folder, recipe, job_common, values, plan, base, sets, device, protocol),
+                lambda task: (write_table(), log.info("%s: %s done", name, task)),
+            )
         record = write_table()
         return record
 
@@ -608,6 +627,112 @@ def import_results(source: Path, folder: Path, expected: dict[str, Any], steps_p
     if imported:
         log.info("continuing %s: %s imported from %s", folder, ", ".join(imported), table_path)
     return imported
+
+
+@dataclass(frozen=True)
+class Task:
+    """One run of a table: a row (``None``: the random init) at a seed."""
+
+    row: Row | None
+    seed: int
+
+    def result(self, folder: Path) -> Path:
+        return folder / (self.row.slug if self.row else "random_init") / f"seed{self.seed}" / "result.json"
+
+    def __str__(self) -> str:
+        return f"{self.row.label if self.row else 'random init'}, seed {self.seed}"
+
+
+def _run_task(
+    task: Task, folder: Path, recipe: str, common: list[str], values: dict, plan: dict, base: Any, sets: tuple,
+    device: str, protocol: dict,
+) -> None:  # fmt: skip
+    """Train (a row) and evaluate one task, then write its ``result.json``."""
+    result = task.result(folder)
+    if task.row is None:
+        _random_init_result(result.parent, base, task.seed, sets, device, protocol)
+        return
+    done = _run_row(task.row, result.parent, recipe, [*common, f"train.seed={task.seed}"], values, plan)
+    done["scores"] = _scores(done.pop("checkpoint"), sets, device, protocol)
+    _write(result, {**done, "seed": task.seed})
+
+
+def _task_process(task_args: tuple, threads: int) -> None:
+    """The body of one ``--jobs`` process: its own log prefix and threads, then :func:`_run_task`; a run stopped
+    by a signal exits with the shell's code for it (``128 + signal``) after its checkpoint."""
+    import torch
+
+    from obow.training.loop import Interrupted
+
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s [{task_args[0]}] %(message)s", datefmt="%H:%M:%S"
+    )
+    torch.set_num_threads(threads)  # the evaluation's threads; training takes train.threads
+    try:
+        _run_task(*task_args)
+    except Interrupted as err:
+        name = err.signal if err.signal in signal.Signals.__members__ else "SIGINT"
+        sys.exit(128 + int(signal.Signals[name]))
+
+
+def run_in_processes(
+    tasks: list[Task], jobs: int, threads: int, arguments: Callable[[Task], tuple], finished: Callable[[Task], Any]
+) -> None:
+    """Run ``tasks`` in order, at most ``jobs`` at a time, each in a fresh process (``spawn``) with ``threads``
+    intra-op threads, calling ``finished(task)`` here after each one that wrote its result. SIGINT and SIGTERM
+    received here are passed on to the running processes (which finish their step, write a checkpoint and stop;
+    the terminal's Ctrl-C reaches them as well, and the two count as one request) and no task is started after
+    them; then :class:`~obow.training.loop.Interrupted` is raised. A task that fails lets the running ones
+    finish, starts no other, then raises ``RuntimeError`` naming it: nothing finished is lost, and the same
+    command resumes."""
+    import multiprocessing
+    import multiprocessing.connection
+
+    from obow.training.loop import Interrupted
+
+    context = multiprocessing.get_context("spawn")
+    pending, running = list(tasks), {}
+    received: list[str] = []
+    failed: list[tuple[Task, int | None]] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        if not received:
+            received.append(signal.Signals(signum).name)
+            log.warning("%s: the running tasks finish their step and write a checkpoint; no new task starts",
+                        received[0])  # fmt: skip
+        for process, _ in running.values():
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    try:
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: leave signals alone
+        previous = {}
+    try:
+        while running or (pending and not received and not failed):
+            while pending and not received and not failed and len(running) < jobs:
+                task = pending.pop(0)
+                process = context.Process(target=_task_process, args=(arguments(task), threads), name=str(task))
+                process.start()
+                running[process.sentinel] = (process, task)
+                log.info("started %s (process %d, %d thread(s))", task, process.pid, threads)
+            for sentinel in multiprocessing.connection.wait(list(running)):
+                process, task = running.pop(sentinel)
+                process.join()
+                if process.exitcode == 0:
+                    finished(task)
+                elif not received:
+                    failed.append((task, process.exitcode))
+                    log.error("%s failed (exit code %s): the running tasks finish, no new one starts",
+                              task, process.exitcode)  # fmt: skip
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if failed:
+        which = "; ".join(f"{task} (exit code {code})" for task, code in failed)
+        raise RuntimeError(f"{which} failed: its error is in the log above; the same command resumes")
+    if received:
+        raise Interrupted(received[0])
 
 
 def _random_init_result(run: Path, base: Any, seed: int, sets: tuple, device: str, protocol: dict) -> None:

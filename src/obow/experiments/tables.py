@@ -391,7 +391,8 @@ def run_table(
     published ``docs/results/tables/...`` folder) continues that table on this machine: its plan becomes this
     folder's, and its finished rows and seeds count as done here (:func:`import_results`). ``jobs`` > 1 trains
     and evaluates that many row-seed runs at once, each in its own process with ``train.threads`` threads
-    (unset: this process's cores divided by ``jobs``) (:func:`run_in_processes`); the plan is made first, here."""
+    (unset: this process's cores divided by ``jobs``, or by the number of runs left if fewer)
+    (:func:`run_in_processes`); the plan is made first, here."""
     from obow.config import load_config
     from obow.data.eval_sets import align_classes, eval_dataset
     from obow.data.folders import scan_images
@@ -488,7 +489,7 @@ def run_table(
                 write_table()
                 log.info("%s: %s done", name, task)
         else:
-            threads = base.train.threads or max(1, available_cores() // jobs)
+            threads = base.train.threads or max(1, available_cores() // min(jobs, len(tasks)))
             job_common = [*common, f"train.threads={threads}"]
             run_in_processes(
                 tasks,

@@ -267,7 +267,7 @@ def cmd_tables_list(args: argparse.Namespace) -> int:
     print(list_tables())
     print(
         "\nrun one: obow tables run NAME --data DIR (--minutes M | --budget EPOCHS) [--seeds 0 1] [--per-class N] "
-        "[key=value ...]"
+        "[--jobs 2] [key=value ...]"
     )
     return 0
 

@@ -20,7 +20,6 @@ import errno
 import json
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -70,12 +69,6 @@ def os_error_line(err: OSError) -> str:
     if err.errno in WRITE_ERRNOS:
         return f"cannot write {path}: {write_failure_cause(path, err)}"
     return f"{path}: {err.strerror}"
-
-
-def exit_code(err: BaseException) -> int:
-    """The shell's code for a run stopped by a signal: 128 + its number (130 for SIGINT, 143 for SIGTERM)."""
-    name = getattr(err, "signal", None)
-    return 128 + int(signal.Signals[name] if name in signal.Signals.__members__ else signal.SIGINT)
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
@@ -226,7 +219,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     try:
         result = pretrain(cfg, out, monitor=KNNMonitor)
     except Interrupted as err:
-        return exit_code(err)
+        return err.exit_code
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, the main process alone says what is next
         return 0
     print(f"done: {result['epochs']} epochs, checkpoint {result['checkpoint']}")
@@ -243,7 +236,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         out = args.out or ("runs/demo" if args.dataset == "digits" else f"runs/demo-{args.dataset}")
         run_demo(Path(out), list(args.overrides), args.dataset)
     except Interrupted as err:
-        return exit_code(err)
+        return err.exit_code
     return 0
 
 
@@ -339,7 +332,7 @@ def cmd_tables_run(args: argparse.Namespace) -> int:
             jobs=args.jobs,
         )
     except Interrupted as err:
-        return exit_code(err)
+        return err.exit_code
     if args.plan_only:
         print(json.dumps(record, indent=2))
         print(f"written: {Path(args.out) / args.name / 'plan.json'}; the same command without --plan-only trains it")

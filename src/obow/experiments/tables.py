@@ -672,8 +672,7 @@ def _task_process(task_args: tuple, threads: int) -> None:
     try:
         _run_task(*task_args)
     except Interrupted as err:
-        name = err.signal if err.signal in signal.Signals.__members__ else "SIGINT"
-        sys.exit(128 + int(signal.Signals[name]))
+        sys.exit(err.exit_code)
 
 
 def run_in_processes(

@@ -71,6 +71,13 @@ class Interrupted(Exception):
         super().__init__(signal_name or "a signal received by another process")
         self.signal = signal_name
 
+    @property
+    def exit_code(self) -> int:
+        """The shell's code for a run stopped by this signal: 128 + its number (130 for SIGINT, 143 for SIGTERM;
+        SIGINT's when the signal is not known here)."""
+        name = self.signal if self.signal in signal.Signals.__members__ else "SIGINT"
+        return 128 + int(signal.Signals[name])
+
 
 @dataclass
 class RunState:

@@ -458,3 +458,40 @@ def test_a_worker_ignores_sigterm_and_is_still_ended_at_exit():
     assert worker.is_alive()
     _kill_daemonic_children()
     assert not worker.is_alive() and worker.exitcode == -signal.SIGKILL
+
+
+_OPEN_LOADERS: list = []  # what keeps a loader open on the way out, as an exception's traceback can
+
+
+class _Numbers(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> dict:
+        return {"index": index, "skipped": []}
+
+
+def _exit_with_a_loader_open(started: str) -> None:
+    loader = build_loader(_Numbers(), range(8), 2, num_workers=1)
+    batches = iter(loader)
+    next(batches)  # the worker runs, ignoring SIGTERM
+    _OPEN_LOADERS.append(batches)
+    Path(started).write_text("worker started")
+    raise SystemExit(3)
+
+
+@pytest.mark.slow
+def test_a_process_started_by_multiprocessing_ends_with_its_loader_open(tmp_path):
+    """``obow tables run --jobs`` trains in processes that ``multiprocessing`` started, which run no ``atexit``
+    handler before waiting for their daemonic children: the workers must still be killed, or a run stopped by
+    SIGTERM (its loader left open) would hang after writing its checkpoint."""
+    started = tmp_path / "started"
+    process = multiprocessing.get_context("spawn").Process(target=_exit_with_a_loader_open, args=(str(started),))
+    process.start()
+    process.join(90)
+    alive = process.is_alive()
+    if alive:
+        process.kill()
+        process.join()
+    assert started.read_text() == "worker started"
+    assert not alive and process.exitcode == 3

@@ -566,7 +566,8 @@ def test_jobs_train_the_row_seeds_in_parallel_processes_with_the_same_results(tm
 @pytest.mark.slow
 def test_sigterm_to_a_jobs_table_stops_every_process_at_a_checkpoint_and_the_command_resumes(tmp_path, write_images):
     """A scheduler's SIGTERM to ``obow tables run --jobs 2`` reaches both training processes: each writes a
-    checkpoint and stops, the command exits 143 with no result written, and the same command finishes."""
+    checkpoint and stops (each with a loader worker, which ignores SIGTERM and must not keep its process
+    alive), the command exits 143 with no result written, and the same command finishes."""
     import signal
     import subprocess
     import sys
@@ -575,7 +576,7 @@ def test_sigterm_to_a_jobs_table_stops_every_process_at_a_checkpoint_and_the_com
     recipe, data, out = _tiny_table(tmp_path, write_images)
     args = [sys.executable, "-m", "obow.cli", "tables", "run", "table3", "--data", str(data), "--budget", "30"]
     args += ["--recipe", str(recipe), "--rows", "4", "--seeds", "0", "1", "--k", "5", "--episodes", "5"]
-    args += ["--out", str(out), "--jobs", "2", "train.threads=1"]
+    args += ["--out", str(out), "--jobs", "2", "train.threads=1", "data.num_workers=1"]  # a real loader worker
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     runs = [out / "table3" / "hard_fixed" / f"seed{seed}" for seed in (0, 1)]

@@ -12,10 +12,10 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import math
 import multiprocessing
+import multiprocessing.util
 import operator
 import os
 import random
@@ -437,21 +437,22 @@ def ignore_interrupt(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-_ending_workers_at_exit = False
+_ending_workers_at_exit: int | None = None  # the process that registered the exit hook
 
 
 def end_workers_at_exit() -> None:
-    """Once per process: at interpreter exit, kill (SIGKILL) the daemonic child processes still alive.
+    """Once per process: at exit, kill (SIGKILL) the daemonic child processes still alive.
 
     ``multiprocessing`` ends daemonic children at exit with SIGTERM and then waits for them; data workers ignore
     SIGTERM (:func:`ignore_interrupt`), so a run that leaves a loader open on its way out (an error, an
-    interrupt) would wait forever. Handlers registered later run first, so this one runs before
-    ``multiprocessing``'s, which then finds only dead children to join. Loaders closed normally have already
-    joined their workers, which are no longer children by then."""
+    interrupt) would wait forever. The hook is one of ``multiprocessing``'s own exit finalizers, which run just
+    before that SIGTERM-and-wait: in the main process (at interpreter exit) and also in a process that
+    ``multiprocessing`` started (``obow tables run --jobs``' runs), where ``atexit`` handlers never run before
+    the wait. Loaders closed normally have already joined their workers, which are no longer children by then."""
     global _ending_workers_at_exit
-    if not _ending_workers_at_exit:
-        atexit.register(_kill_daemonic_children)
-        _ending_workers_at_exit = True
+    if _ending_workers_at_exit != os.getpid():  # a forked child inherits the flag but not the registration
+        multiprocessing.util.Finalize(None, _kill_daemonic_children, exitpriority=100)
+        _ending_workers_at_exit = os.getpid()
 
 
 def _kill_daemonic_children() -> None:

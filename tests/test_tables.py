@@ -419,7 +419,12 @@ def test_compare_levers_pairs_each_row_with_the_base_of_the_same_seed(tmp_path, 
     )
     text = compare_levers([base, lever, only_obow], versus=("obow_full", "moco_v2_our_aug"))
     assert "| MOCO_V2_OUR_AUG | 27.50 ± 3.54 (2) | 25.50 (1); +0.50 (1) vs base | - |" in text
-    assert text.rstrip().endswith("| +0.50 (1); +2.50 (1) vs base | - |")
+    assert "| gap: OBOW_FULL - MOCO_V2_OUR_AUG | -2.50 ± 0.71 (2) | +0.50 (1); +2.50 (1) vs base | - |" in text
+    # the OBoW-only lever against MoCo as the base ran it: seed 0, 24 - 25
+    assert text.rstrip().endswith(
+        "| gap, the row a lever lacks as in the base: OBOW_FULL - MOCO_V2_OUR_AUG | - | - | -1.00 (1) |"
+    )
+    assert "lacks as in the base" not in compare_levers([base, lever])  # both rows ran the lever
     with pytest.raises(ValueError, match="differ in budget"):
         compare_levers([base, {**lever, "budget": {"minutes": 12.5}}])
     with pytest.raises(ValueError, match="nothing changed"):

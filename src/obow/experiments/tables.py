@@ -1244,8 +1244,10 @@ def compare_levers(records: list[dict[str, Any]], score: str = "knn", versus: tu
     same table, recipe, images and budget with other ``key=value`` changes for every row, each its own
     ``--out``). Per row and table: the score (mean ± sample deviation over seeds), and for a lever its change
     against the base *of the same seed*; then the gap between the rows ``versus`` (default OBoW (full) against
-    MoCo v2 (our aug.)) in each table and its change against the base's gap. A lever is tried on every row, so
-    that whatever helps one method is given to the other too."""
+    MoCo v2 (our aug.)) in each table and its change against the base's gap; for a lever run on one of the two
+    rows only, also that row against the other as the base ran it (seed by seed): the method at its lever
+    against its rival as it is. A lever is tried on every row, so that whatever helps one method is given to
+    the other too."""
     if len(records) < 2:
         raise ValueError("give the base table first and at least one lever table (each a table.json or its folder)")
     base = records[0]
@@ -1314,4 +1316,19 @@ def compare_levers(records: list[dict[str, Any]], score: str = "knn", versus: tu
             cells.append(cell)
         a_label, b_label = labels.get(a_name, a_name), labels.get(b_name, b_name)
         lines.append(f"| gap: {a_label} - {b_label} | {' | '.join(cells)} |")
+
+        def mixed(r: dict[str, Any]) -> str:
+            """A lever given to one of the two rows only, against the other row as the base ran it."""
+            a, b = _by_seed(_find_row(r, a_name), score), _by_seed(_find_row(r, b_name), score)
+            if bool(a) == bool(b):
+                return "-"
+            a = a or _by_seed(_find_row(base, a_name), score)
+            b = b or _by_seed(_find_row(base, b_name), score)
+            return _signed_cell([a[s] - b[s] for s in a if s in b])
+
+        cells = [mixed(r) for r in records[1:]]
+        if any(c != "-" for c in cells):
+            lines.append(
+                f"| gap, the row a lever lacks as in the base: {a_label} - {b_label} | - | {' | '.join(cells)} |"
+            )
     return "\n".join(lines) + "\n"

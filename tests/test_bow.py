@@ -180,14 +180,3 @@ def test_prediction_diagnostics_match_a_float64_reference():
     same = prediction_diagnostics(logits[:1].repeat(4, 1))
     assert float(same["predicted_kl_to_mean"]) == pytest.approx(0.0, abs=1e-6)
     assert float(same["predicted_perplexity_image"]) == pytest.approx(float(same["predicted_perplexity_batch"]))
-
-
-def test_mean_pairwise_cosine_matches_the_pairs():
-    from obow.bow.loss import mean_pairwise_cosine
-
-    w = torch.nn.functional.normalize(torch.randn(7, 4, generator=torch.Generator().manual_seed(5)), dim=1)
-    gram = np64(w) @ np64(w).T
-    expected = (gram.sum() - np.trace(gram)) / (7 * 6)
-    np.testing.assert_allclose(float(mean_pairwise_cosine(w)), expected, rtol=1e-5)
-    same = torch.nn.functional.normalize(torch.ones(5, 3), dim=1)
-    assert float(mean_pairwise_cosine(same)) == pytest.approx(1.0, abs=1e-6)

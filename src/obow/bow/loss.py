@@ -49,14 +49,3 @@ def prediction_diagnostics(logits: Tensor) -> dict[str, Tensor]:
         "predicted_perplexity_image": image,
         "predicted_perplexity_batch": batch,
     }
-
-
-@torch.no_grad()
-def mean_pairwise_cosine(unit_rows: Tensor) -> Tensor:
-    """Mean cosine between distinct rows of ``[K, c]`` unit-norm rows (the prediction weights): with
-    ``u = sum_k w_k``, ``(|u|^2 - K) / (K (K - 1))``, in O(Kc). Near 1, the weights share one direction and
-    the logits ``kappa <w_k, S>`` differ little between words, however the student's feature varies: its
-    predicted BoWs stay flat (a common part of the weights adds the same logit to every word)."""
-    k = unit_rows.shape[0]
-    total = at_least_float32(unit_rows.detach()).sum(dim=0)
-    return (total.square().sum() - k) / max(k * (k - 1), 1)

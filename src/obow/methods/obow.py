@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from obow.backbones import build_backbone
-from obow.bow.loss import bow_loss, mean_pairwise_cosine, prediction_diagnostics
+from obow.bow.loss import bow_loss, prediction_diagnostics
 from obow.bow.predictor import BoWPredictor, build_predictor
 from obow.bow.targets import BoWExtractor, BoWTargets, build_extractors
 from obow.bow.vocabulary import build_vocabulary
@@ -33,7 +33,7 @@ from obow.checks import check_choice, check_unit_interval
 from obow.config import ModelConfig
 from obow.data.cutmix import cutmix as cutmix_views
 from obow.data.cutmix import draw_box, draw_permutation, mix_targets
-from obow.diagnostics import feature_diagnostics
+from obow.diagnostics import feature_diagnostics, mean_pairwise_cosine
 from obow.methods import LOSS_WEIGHTINGS, MOMENTUM_SCHEDULES
 from obow.methods.base import Method, StepOutput, check_views, ema_update_, group_weight
 from obow.schedules import teacher_momentum
@@ -175,7 +175,9 @@ class OBoW(Method):
             metrics.update({f"{level}/{k}": v for k, v in bow.diagnostics.items()})
         weights = self.predictor.weights(vocabularies)
         for level, w, kappa in zip(self.levels, weights, self.predictor.kappas(), strict=True):
-            metrics[f"{level}/weights_mean_cosine"] = mean_pairwise_cosine(w)
+            # Near 1, the weights share one direction and the logits kappa <w_k, S> differ little between words
+            # however the student's feature varies: a common part adds the same logit to every word.
+            metrics[f"{level}/weights_mean_cosine"] = mean_pairwise_cosine(w.detach())
             if isinstance(kappa, Tensor):  # model.learn_kappa
                 metrics[f"{level}/kappa"] = kappa.detach().clone()
         return {

@@ -1302,8 +1302,9 @@ def compare_levers(records: list[dict[str, Any]], score: str = "knn", versus: tu
     if versus is not None:
         a_name, b_name = versus
 
-        def gaps(r: dict[str, Any]) -> dict[int, float]:
-            a, b = _by_seed(_find_row(r, a_name), score), _by_seed(_find_row(r, b_name), score)
+        def gaps(r: dict[str, Any], r_b: dict[str, Any] | None = None) -> dict[int, float]:
+            """Seed by seed, row ``a_name`` of ``r`` minus row ``b_name`` of ``r_b`` (default ``r``)."""
+            a, b = _by_seed(_find_row(r, a_name), score), _by_seed(_find_row(r if r_b is None else r_b, b_name), score)
             return {s: a[s] - b[s] for s in a if s in b}
 
         base_gaps = gaps(base)
@@ -1319,12 +1320,10 @@ def compare_levers(records: list[dict[str, Any]], score: str = "knn", versus: tu
 
         def mixed(r: dict[str, Any]) -> str:
             """A lever given to one of the two rows only, against the other row as the base ran it."""
-            a, b = _by_seed(_find_row(r, a_name), score), _by_seed(_find_row(r, b_name), score)
-            if bool(a) == bool(b):
+            has_a, has_b = bool(_by_seed(_find_row(r, a_name), score)), bool(_by_seed(_find_row(r, b_name), score))
+            if has_a == has_b:
                 return "-"
-            a = a or _by_seed(_find_row(base, a_name), score)
-            b = b or _by_seed(_find_row(base, b_name), score)
-            return _signed_cell([a[s] - b[s] for s in a if s in b])
+            return _signed_cell(list(gaps(r if has_a else base, r if has_b else base).values()))
 
         cells = [mixed(r) for r in records[1:]]
         if any(c != "-" for c in cells):

@@ -220,6 +220,68 @@ def test_timing_from_plans_a_second_budget_from_another_folders_timed_steps(tmp_
     assert epochs.code == 2 and "--budget EPOCHS times nothing" in epochs.err
 
 
+def test_shared_from_takes_the_rows_another_table_has_in_common_and_times_the_others_against_one(
+    tmp_path, write_images, obow_cli
+):
+    """OBoW vanilla is Table 3's "soft, dynamic" and Table 2's first row: trained once, shown in both, with the
+    same steps; Table 2's other rows are timed in turns with it and planned at the ratio of their step to its."""
+    recipe, data, out = _tiny_table(tmp_path, write_images)
+    common = ["--data", data, "--minutes", "0.001", "--recipe", recipe, "--k", "5", "--episodes", "5"]
+    obow_cli("tables", "run", "table3", *common, "--out", out / "a", "--rows", "1")
+    source = out / "a" / "table3"
+    (source / "plan.json").write_text(  # as if timed on a slower day: 2 epochs of the 2-step epochs
+        json.dumps(
+            {
+                "budget": {"minutes": 0.001},
+                "steps_per_epoch": 2,
+                "stages": {
+                    "soft_dynamic/pretrain": {"epochs": 2, "warmup_epochs": 1.0, "seconds_per_step": 0.01, "steps": 4}
+                },
+            }
+        )
+    )
+    first = json.loads((source / "table.json").read_text())
+    args = ["tables", "run", "table2", *common, "--out", out / "b", "--shared-from", source]
+    obow_cli(*args, "--rows", "1", "4", "--plan-only")
+    folder = out / "b" / "table2"
+    plan = json.loads((folder / "plan.json").read_text())
+    shared, timed = plan["stages"]["alpha_0_99_1_cosine_lr_x1/pretrain"], plan["stages"]["alpha_0_9_lr_x1/pretrain"]
+    assert shared == {"epochs": 2, "warmup_epochs": 1.0, "seconds_per_step": 0.01, "steps": 4}
+    vanilla = "alpha_0_99_1_cosine_lr_x1/pretrain"
+    assert plan["shared_from"] == {vanilla: f"{source / 'plan.json'}: soft_dynamic/pretrain"}
+    anchor = plan["timing_anchor"]["alpha_0_9_lr_x1/pretrain"]
+    assert anchor["anchor"] == vanilla and anchor["anchor_plan"] == str(source / "plan.json")
+    # its seconds: its own timed step x (the anchor's seconds there / the anchor's timed step here)
+    assert math.isclose(anchor["scale"], 0.01 / anchor["anchor_seconds_per_step_here"])
+    assert math.isclose(timed["seconds_per_step"], anchor["seconds_per_step_here"] * anchor["scale"])
+    assert timed["steps"] == timed["epochs"] * 2 == plan_epochs(0.001, timed["seconds_per_step"], 2) * 2
+    # the shared row's and the random init's finished seeds are this table's, marked, and nothing was trained
+    for mine, theirs in (("alpha_0_99_1_cosine_lr_x1", first["rows"][0]), ("random_init", first["random_init"])):
+        result = json.loads((folder / mine / "seed0" / "result.json").read_text())
+        assert result["scores"] == theirs["runs"][0]["scores"] and result["from"] == str(source / "table.json")
+    assert not (folder / "alpha_0_99_1_cosine_lr_x1" / "seed0" / "checkpoint.pt").exists()
+
+    printed = obow_cli(*args, "--rows", "1").out  # nothing left to train for row 1: the table is written
+    record = json.loads((folder / "table.json").read_text())
+    assert [r["label"] for r in record["rows"]] == ["alpha 0.99 -> 1 (cosine), lr x1"]
+    assert record["rows"][0]["mean"] == first["rows"][0]["mean"]
+    assert "Rows shared with another table" in printed and "`alpha_0_99_1_cosine_lr_x1` (= " in printed
+
+    # refused: the same table (that is --results-from), another protocol, a folder with no row in common
+    same = obow_cli("tables", "run", "table3", *common, "--out", out / "c", "--shared-from", source, check=False)
+    assert same.code == 2 and "continue it with --results-from" in same.err
+    other = obow_cli(*args[:-4], "--episodes", "7", "--out", out / "c", "--shared-from", source, check=False)
+    assert other.code == 2 and "its protocol" in other.err and "'episodes': 7" in other.err
+    fixed = out / "d" / "table3"
+    fixed.mkdir(parents=True)
+    (fixed / "plan.json").write_text(
+        json.dumps({**json.loads((source / "plan.json").read_text()), "stages": {"hard_fixed/pretrain": shared}})
+    )
+    (fixed / "table.json").write_text((source / "table.json").read_text())
+    none = obow_cli(*args[:-4], "--out", out / "c", "--shared-from", fixed, "--plan-only", check=False)
+    assert none.code == 2 and "no row of table2 has the configuration of a row planned" in none.err
+
+
 def test_markdown_names_the_changes_made_to_every_row():
     record = {
         "table": "table3",

@@ -158,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue a table from its table.json and plan.json (e.g. a published one): its finished rows count",
     )
     r.add_argument(
+        "--shared-from",
+        metavar="TABLE_DIR",
+        help="another table's folder: the rows with the same configuration take its plan and results, "
+        "the other rows are timed against one of them",
+    )
+    r.add_argument(
         "--jobs",
         type=int,
         default=1,
@@ -329,6 +335,7 @@ def cmd_tables_run(args: argparse.Namespace) -> int:
             plan_only=args.plan_only,
             timing_from=args.timing_from,
             results_from=args.results_from,
+            shared_from=args.shared_from,
             jobs=args.jobs,
         )
     except Interrupted as err:

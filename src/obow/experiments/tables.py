@@ -18,16 +18,20 @@ The budget:
   that fit in M minutes; a BoWNet row's stages share the M minutes in the proportions below.
 * ``--budget EPOCHS``: every row the same epochs (the paper's protocol; fair on equal hardware per step only).
 
-Either way the plan (each row's epochs, warm-up, timed step) is written once to ``<table>/plan.json`` and
-reused by every seed and by later calls that complete the table; asking the same folder for another budget
-or other images is refused. ``--plan-only`` writes the plan and stops: time the rows on the quiet machine
-with every core, then train however suits the machine. ``--timing-from DIR`` takes the timed steps of another
-folder of the same table (another budget) instead of timing them again. The plan fixes each row's steps, not
-its threads: on a 2-core machine two tables can train side by side with ``OMP_NUM_THREADS=1`` each; only the
-wall time in ``table.md`` changes. Measured (2026-11-24): the MoCo v2 table on CIFAR-10 and on Imagenette side by side,
-one thread each, ran OBoW (full) at 7.1 and 7.4 s a step, against 3.85 and 4.06 s timed alone with both
-cores: about 1.1x the work of one table at a time. ``--jobs N`` does the same within one table: N of its
-row-seed runs at once, each in its own process (:func:`run_in_processes`).
+Either way the plan (each row's epochs, warm-up, timed step) is written once to ``<table>/plan.json`` and reused by
+every seed and by later calls that complete the table; asking the same folder for another budget or other images is
+refused. ``--plan-only`` writes the plan and stops: time the rows on the quiet machine with every core, then train
+however suits the machine. ``--timing-from DIR`` takes the timed steps of another folder of the same table (another
+budget) instead of timing them again. ``--shared-from DIR`` takes from a folder of *another* table (same images,
+recipe, changes, protocol and budget) the rows the two tables have in common (the same configuration: OBoW vanilla
+is a row of Tables 1, 2, 3, 4 and 5) with their plan and finished seeds, so that no configuration is trained twice
+and every table shows the same numbers for it; this table's other rows are then timed in turns with one shared row
+and planned at the ratio of their step to its (:func:`share_rows`): the ratio is measured in one run, the machine's
+speed on the day is not. The plan fixes each row's steps, not its threads: on a 2-core machine two tables can train
+side by side with ``OMP_NUM_THREADS=1`` each; only the wall time in ``table.md`` changes. Measured (2026-11-24): the
+MoCo v2 table on CIFAR-10 and on Imagenette side by side, one thread each, ran OBoW (full) at 7.1 and 7.4 s a step,
+against 3.85 and 4.06 s timed alone with both cores: about 1.1x the work of one table at a time. ``--jobs N`` does
+the same within one table: N of its row-seed runs at once, each in its own process (:func:`run_in_processes`).
 
 Settings the tables change for a short run, the same rule for every row:
 
@@ -377,6 +381,7 @@ def run_table(
     plan_only: bool = False,
     timing_from: str | Path | None = None,
     results_from: str | Path | None = None,
+    shared_from: str | Path | None = None,
     jobs: int = 1,
 ) -> dict[str, Any]:
     """Train and evaluate the rows of table ``name`` (see the module docstring) for every seed in ``seeds``,
@@ -389,7 +394,10 @@ def run_table(
     second budget is planned from the same timing and needs no quiet machine. ``results_from`` (a folder with a
     ``table.json`` and ``plan.json`` of the same table, images, recipe, changes, protocol and budget, e.g. a
     published ``docs/results/tables/...`` folder) continues that table on this machine: its plan becomes this
-    folder's, and its finished rows and seeds count as done here (:func:`import_results`). ``jobs`` > 1 trains
+    folder's, and its finished rows and seeds count as done here (:func:`import_results`). ``shared_from`` (a
+    folder of *another* table on the same images, recipe, changes, protocol and budget) gives the rows this table
+    has in common with it that table's plan and finished results, and times this table's other rows in turns
+    with one shared row, at the ratio of their step to its (:func:`share_rows`). ``jobs`` > 1 trains
     and evaluates that many row-seed runs at once, each in its own process with ``train.threads`` threads
     (unset: this process's cores divided by ``jobs``, or by the number of runs left if fewer)
     (:func:`run_in_processes`); the plan is made first, here."""
@@ -433,18 +441,24 @@ def run_table(
     chosen = select_rows(table, rows)
     with RunLock(folder):  # one `obow tables run` per table folder: its rows' runs and results are shared
         device = "cuda" if base.train.device != "cpu" and _cuda() else "cpu"
+        expected = {
+            "table": name,
+            "recipe": recipe,
+            "budget": {"epochs": budget} if minutes is None else {"minutes": minutes},
+            "train_images": len(train_images),
+            "test_images": len(test_images),
+            "protocol": protocol,
+            "overrides": list(overrides or []),
+        }
         if results_from is not None:
-            expected = {
-                "table": name,
-                "recipe": recipe,
-                "budget": {"epochs": budget} if minutes is None else {"minutes": minutes},
-                "train_images": len(train_images),
-                "test_images": len(test_images),
-                "protocol": protocol,
-                "overrides": list(overrides or []),
-            }
             import_results(Path(results_from), folder, expected, steps_per_epoch)
-        plan = _budget_plan(folder, chosen, recipe, common, values, budget, minutes, steps_per_epoch, timing_from)
+        anchor = None
+        if shared_from is not None:
+            same = {key: value for key, value in expected.items() if key != "table"}
+            anchor = share_rows(Path(shared_from), folder, table, recipe, common, values, same, steps_per_epoch)
+        plan = _budget_plan(
+            folder, chosen, recipe, common, values, budget, minutes, steps_per_epoch, timing_from, anchor
+        )
         if plan_only:
             return plan
 
@@ -512,11 +526,15 @@ def _budget_plan(
     minutes: float | None,
     steps_per_epoch: int,
     timing_from: str | Path | None = None,
+    anchor: Anchor | None = None,
 ) -> dict[str, Any]:
     """Epochs and warm-up of every row's stages, kept in ``<table>/plan.json`` so that every seed, and every
     later call that completes the table, trains a row the same way. A minutes budget times the rows' steps
     (:func:`obow.experiments.budget.seconds_per_step`, in alternating rounds) the first time a row is met, or
-    takes them from the ``plan.json`` of the table folder ``timing_from`` where that folder timed them."""
+    takes them from the ``plan.json`` of the table folder ``timing_from`` where that folder timed them. With an
+    ``anchor`` (a row shared with another table, :func:`share_rows`) the anchor row takes its turns with them,
+    and each is planned at ``its time / the anchor's time x the anchor's seconds in the other table's plan``
+    (``timing_anchor`` in the plan)."""
     from obow.config import load_config
     from obow.experiments.budget import plan_epochs, seconds_per_step, short_run_warmup
 
@@ -558,7 +576,22 @@ def _budget_plan(
         timed.update({key: seconds for key, seconds in lent.items() if seconds})
         plan.setdefault("timing_from", {}).update({key: str(other_path) for key in timed})
     if minutes is not None and set(missing) - set(timed):
-        timed.update(seconds_per_step({key: configs[key] for key in missing if key not in timed}))
+        untimed = {key: configs[key] for key in missing if key not in timed}
+        if anchor is not None and anchor.seconds_per_step:
+            here = seconds_per_step({anchor.key: anchor.config, **untimed})
+            anchor_here = here.pop(anchor.key)
+            scale = anchor.seconds_per_step / anchor_here
+            timed.update({key: seconds * scale for key, seconds in here.items()})
+            for key, seconds in here.items():
+                plan.setdefault("timing_anchor", {})[key] = {
+                    "anchor": anchor.key,
+                    "anchor_plan": anchor.plan,
+                    "seconds_per_step_here": seconds,
+                    "anchor_seconds_per_step_here": anchor_here,
+                    "scale": scale,
+                }
+        else:
+            timed.update(seconds_per_step(untimed))
     for key, stage in missing.items():
         cfg = configs[key]
         if minutes is None:
@@ -628,6 +661,115 @@ def import_results(source: Path, folder: Path, expected: dict[str, Any], steps_p
     if imported:
         log.info("continuing %s: %s imported from %s", folder, ", ".join(imported), table_path)
     return imported
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A row this table shares with another table's folder (:func:`share_rows`): its stage key here, its
+    configuration, and the seconds a step that folder's plan timed for it."""
+
+    key: str
+    config: Any
+    seconds_per_step: float
+    plan: str
+
+
+def share_rows(
+    source: Path,
+    folder: Path,
+    table: Table,
+    recipe: str,
+    common: list[str],
+    values: dict[str, Any],
+    expected: dict[str, Any],
+    steps_per_epoch: int,
+) -> Anchor:
+    """Take over from another table's folder ``source`` (its ``table.json`` and ``plan.json``; ``obow tables run
+    --shared-from``) the rows that ``table`` has in common with it: a row of one stage whose configuration is that
+    of a row planned there (for example Table 2's first row, Table 3's "soft, dynamic" and Table 1's "queue,
+    locally-averaged" are all OBoW vanilla). Each such row gets that row's plan entry (the same steps) in
+    ``folder/plan.json``, recorded in its ``shared_from``, and that row's finished seeds (and the random init's)
+    as its own ``result.json``, marked ``"from"``; nothing is trained twice. Everything in ``expected`` (recipe,
+    budget, image counts, protocol, changes) must be the source's. Returns the first shared row as the
+    :class:`Anchor` that :func:`_budget_plan` times this table's other rows against, so that their steps keep the
+    ratio of step times measured in one run, whatever the speed of the machine on the day each table was timed."""
+    from obow.config import load_config
+    from obow.config.schema import to_dict
+
+    table_path, plan_path = source / "table.json", source / "plan.json"
+    if not table_path.is_file() or not plan_path.is_file():
+        raise ValueError(f"--shared-from {source}: needs table.json and plan.json there (a table folder)")
+    record, plan = json.loads(table_path.read_text()), json.loads(plan_path.read_text())
+    if record.get("table") == table.name:
+        raise ValueError(f"--shared-from {source} is a folder of {table.name} itself: continue it with --results-from")
+    for key, value in expected.items():
+        if record.get(key) != value:
+            raise ValueError(
+                f"--shared-from {source}: its {key} is {record.get(key)!r}, this call's is {value!r}; rows can only "
+                "be shared between tables on the same images, recipe, changes, protocol and budget"
+            )
+    if plan.get("steps_per_epoch") != steps_per_epoch or plan.get("budget") != expected["budget"]:
+        raise ValueError(
+            f"--shared-from {source}: its plan.json is not for {expected['budget']} and {steps_per_epoch} steps "
+            "an epoch"
+        )
+    other, planned = TABLES[record["table"]], plan.get("stages", {})
+
+    def config(row: Row) -> Any:
+        return load_config(recipe, [*common, *_fill(row.overrides, values)])
+
+    theirs = {r.slug: to_dict(config(r)) for r in other.rows if not r.stages and f"{r.slug}/pretrain" in planned}
+    matches: dict[str, str] = {}
+    for row in table.rows:
+        if not row.stages:
+            mine = to_dict(config(row))
+            same = [slug for slug, cfg in theirs.items() if cfg == mine]
+            if same:
+                matches[row.slug] = same[0]
+    if not matches:
+        raise ValueError(
+            f"--shared-from {source}: no row of {table.name} has the configuration of a row planned in that "
+            f"{other.name} folder; nothing to share"
+        )
+    own_path = folder / "plan.json"
+    own = (
+        json.loads(own_path.read_text())
+        if own_path.exists()
+        else {"budget": expected["budget"], "steps_per_epoch": steps_per_epoch}
+    )
+    if own.get("budget") != expected["budget"] or own.get("steps_per_epoch") != steps_per_epoch:
+        raise ValueError(f"--shared-from {source}: {folder} is planned for another budget or images; use another --out")
+    stages = own.setdefault("stages", {})
+    for mine, slug in matches.items():
+        key, entry = f"{mine}/pretrain", planned[f"{slug}/pretrain"]
+        if key in stages and stages[key]["steps"] != entry["steps"]:
+            raise ValueError(
+                f"--shared-from {source}: {folder} planned {key} for {stages[key]['steps']} steps, {other.name}'s "
+                f"{slug} has {entry['steps']}; use another --out"
+            )
+        stages[key] = dict(entry)
+        own.setdefault("shared_from", {})[key] = f"{plan_path}: {slug}/pretrain"
+    _write(own_path, own)
+    by_slug = {r["slug"]: r for r in record["rows"]}
+    imported = []
+    for mine, slug in {"random_init": "random_init", **matches}.items():
+        found = record["random_init"] if slug == "random_init" else by_slug.get(slug, {"runs": []})
+        for run in found["runs"]:
+            target = folder / mine / f"seed{run['seed']}" / "result.json"
+            if not target.exists():
+                _write(target, {**run, "from": str(table_path)})
+                imported.append(f"{mine}/seed{run['seed']}")
+    log.info(
+        "%s shares %s with %s%s",
+        table.name,
+        ", ".join(f"{mine} ({slug})" for mine, slug in matches.items()),
+        source,
+        f"; imported {', '.join(imported)}" if imported else "",
+    )
+    first = next(iter(matches))
+    row = next(r for r in table.rows if r.slug == first)
+    seconds = planned[f"{matches[first]}/pretrain"]["seconds_per_step"]
+    return Anchor(f"{first}/pretrain", config(row), seconds, str(plan_path))
 
 
 @dataclass(frozen=True)
@@ -1054,6 +1196,22 @@ def _budget_text(record: dict[str, Any]) -> str:
     return f"{budget['epochs']} epoch(s) per row"
 
 
+def _shared_text(plan: dict[str, Any]) -> str:
+    """The sentence naming the rows a table shares with another table's folder (``--shared-from``)."""
+    shared, anchored = plan.get("shared_from", {}), plan.get("timing_anchor", {})
+    if not shared:
+        return ""
+    rows = ", ".join(f"`{key.split('/')[0]}` (= {where})" for key, where in shared.items())
+    text = f" Rows shared with another table (the same configuration, steps and results): {rows}."
+    if anchored:
+        anchors = sorted({v["anchor"].split("/")[0] for v in anchored.values()})
+        text += (
+            f" The other rows were timed in turns with {', '.join(f'`{a}`' for a in anchors)} and planned at the "
+            "ratio of their step to its (`timing_anchor` in plan.json)."
+        )
+    return text
+
+
 def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
     """The table: the paper's numbers beside this run's (mean ± standard deviation over the seeds), then kNN,
     its gain over the random init of the same network, the effective rank and the budget of each row."""
@@ -1076,7 +1234,8 @@ def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
             'carry `"from"` in table.json).'
             if record.get("continued_from")
             else ""
-        ),
+        )
+        + _shared_text(record.get("plan", {})),
         "",
         f"| row | {paper_cols} | {ours_cols} | kNN | kNN gain | eff. rank | seeds | steps | s/step | train min |",
         "|---|" + "---|" * (2 * len(columns) + 7),

@@ -608,6 +608,29 @@ def _budget_plan(
     return plan
 
 
+def _read_table_folder(
+    source: Path, option: str, expected: dict[str, Any], steps_per_epoch: int, what: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``table.json`` and ``plan.json`` of the table folder ``source`` named by ``option``, once everything in
+    ``expected`` is theirs and the plan is for the same budget and steps an epoch; else a ``ValueError`` that
+    names what differs."""
+    table_path, plan_path = source / "table.json", source / "plan.json"
+    if not table_path.is_file() or not plan_path.is_file():
+        raise ValueError(f"{option} {source}: needs table.json and plan.json there (a table folder)")
+    record, plan = json.loads(table_path.read_text()), json.loads(plan_path.read_text())
+    for key, value in expected.items():
+        if record.get(key) != value:
+            raise ValueError(
+                f"{option} {source}: its {key} is {record.get(key)!r}, this call's is {value!r}; {what} on the "
+                "same images, recipe, changes, protocol and budget"
+            )
+    if plan.get("steps_per_epoch") != steps_per_epoch or plan.get("budget") != expected["budget"]:
+        raise ValueError(
+            f"{option} {source}: its plan.json is not for {expected['budget']} and {steps_per_epoch} steps an epoch"
+        )
+    return record, plan
+
+
 def import_results(source: Path, folder: Path, expected: dict[str, Any], steps_per_epoch: int) -> list[str]:
     """Continue the table whose ``table.json`` and ``plan.json`` are in ``source`` in the table folder ``folder``
     (``obow tables run --results-from``): a table that takes longer than one machine's session is finished over
@@ -618,21 +641,9 @@ def import_results(source: Path, folder: Path, expected: dict[str, Any], steps_p
     ``<row>/seed<N>/result.json``, marked ``"from"``, unless this folder has that result already. Returns the
     ``<row>/seed<N>`` names imported."""
     table_path, plan_path = source / "table.json", source / "plan.json"
-    if not table_path.is_file() or not plan_path.is_file():
-        raise ValueError(f"--results-from {source}: needs table.json and plan.json there (a table folder)")
-    record, plan = json.loads(table_path.read_text()), json.loads(plan_path.read_text())
-    for key, value in expected.items():
-        theirs = record.get(key)
-        if theirs != value:
-            raise ValueError(
-                f"--results-from {source}: its {key} is {theirs!r}, this call's is {value!r}; results can only "
-                "continue the same table on the same images, recipe, changes, protocol and budget"
-            )
-    if plan.get("steps_per_epoch") != steps_per_epoch or plan.get("budget") != expected["budget"]:
-        raise ValueError(
-            f"--results-from {source}: its plan.json is not for {expected['budget']} and "
-            f"{steps_per_epoch} steps an epoch"
-        )
+    record, plan = _read_table_folder(
+        source, "--results-from", expected, steps_per_epoch, "results can only continue the same table"
+    )
     own_plan = folder / "plan.json"
     if own_plan.exists():
         own = json.loads(own_plan.read_text())
@@ -697,22 +708,11 @@ def share_rows(
     from obow.config.schema import to_dict
 
     table_path, plan_path = source / "table.json", source / "plan.json"
-    if not table_path.is_file() or not plan_path.is_file():
-        raise ValueError(f"--shared-from {source}: needs table.json and plan.json there (a table folder)")
-    record, plan = json.loads(table_path.read_text()), json.loads(plan_path.read_text())
+    record, plan = _read_table_folder(
+        source, "--shared-from", expected, steps_per_epoch, "rows can only be shared between tables"
+    )
     if record.get("table") == table.name:
         raise ValueError(f"--shared-from {source} is a folder of {table.name} itself: continue it with --results-from")
-    for key, value in expected.items():
-        if record.get(key) != value:
-            raise ValueError(
-                f"--shared-from {source}: its {key} is {record.get(key)!r}, this call's is {value!r}; rows can only "
-                "be shared between tables on the same images, recipe, changes, protocol and budget"
-            )
-    if plan.get("steps_per_epoch") != steps_per_epoch or plan.get("budget") != expected["budget"]:
-        raise ValueError(
-            f"--shared-from {source}: its plan.json is not for {expected['budget']} and {steps_per_epoch} steps "
-            "an epoch"
-        )
     other, planned = TABLES[record["table"]], plan.get("stages", {})
 
     def config(row: Row) -> Any:

@@ -267,6 +267,16 @@ def test_shared_from_takes_the_rows_another_table_has_in_common_and_times_the_ot
     assert record["rows"][0]["mean"] == first["rows"][0]["mean"]
     assert "Rows shared with another table" in printed and "`alpha_0_99_1_cosine_lr_x1` (= " in printed
 
+    # a shared row not finished in its table is left to that table, not trained here as well
+    unfinished = out / "e" / "table3"
+    unfinished.mkdir(parents=True)
+    (unfinished / "plan.json").write_text((source / "plan.json").read_text())
+    (unfinished / "table.json").write_text(json.dumps({**first, "rows": []}))
+    left = obow_cli(*args[:-4], "--out", out / "e", "--shared-from", unfinished, "--rows", "1")
+    assert "not trained here, shared with the table" in left.err + left.out
+    assert not (out / "e" / "table2" / "alpha_0_99_1_cosine_lr_x1").exists()
+    assert json.loads((out / "e" / "table2" / "table.json").read_text())["rows"] == []
+
     # refused: the same table (that is --results-from), another protocol, a folder with no row in common
     same = obow_cli("tables", "run", "table3", *common, "--out", out / "c", "--shared-from", source, check=False)
     assert same.code == 2 and "continue it with --results-from" in same.err

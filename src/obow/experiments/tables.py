@@ -497,6 +497,16 @@ def run_table(
         tasks = [
             Task(row, seed) for seed in seeds for row in (None, *chosen) if not Task(row, seed).result(folder).exists()
         ]
+        shared = {key.split("/")[0] for key in plan.get("shared_from", {})}
+        waiting = [task for task in tasks if task.row is not None and task.row.slug in shared]
+        if waiting:  # trained by the table they are shared with, never twice
+            log.info(
+                "%s: not trained here, shared with the table in plan.json's shared_from and not finished there: %s; "
+                "run again with --shared-from once it is",
+                name,
+                "; ".join(map(str, waiting)),
+            )
+            tasks = [task for task in tasks if task not in waiting]
         if jobs == 1 or len(tasks) < 2:
             for task in tasks:
                 _run_task(task, folder, recipe, common, values, plan, base, sets, device, protocol)
@@ -700,7 +710,8 @@ def share_rows(
     of a row planned there (for example Table 2's first row, Table 3's "soft, dynamic" and Table 1's "queue,
     locally-averaged" are all OBoW vanilla). Each such row gets that row's plan entry (the same steps) in
     ``folder/plan.json``, recorded in its ``shared_from``, and that row's finished seeds (and the random init's)
-    as its own ``result.json``, marked ``"from"``; nothing is trained twice. Everything in ``expected`` (recipe,
+    as its own ``result.json``, marked ``"from"``; nothing is trained twice (:func:`run_table` leaves a shared
+    row's unfinished seeds to that table). Everything in ``expected`` (recipe,
     budget, image counts, protocol, changes) must be the source's. Returns the first shared row as the
     :class:`Anchor` that :func:`_budget_plan` times this table's other rows against, so that their steps keep the
     ratio of step times measured in one run, whatever the speed of the machine on the day each table was timed."""

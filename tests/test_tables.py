@@ -15,6 +15,7 @@ from obow.experiments.tables import (
     _aggregate,
     _fill,
     _placeholders,
+    _shared_text,
     compare_budgets,
     compare_levers,
     curves_text,
@@ -218,6 +219,54 @@ def test_timing_from_plans_a_second_budget_from_another_folders_timed_steps(tmp_
     assert nowhere.code == 2 and "no plan.json there" in nowhere.err
     epochs = obow_cli(*args[:-2], out / "third", "--plan-only", "--budget", "2", "--timing-from", source, check=False)
     assert epochs.code == 2 and "--budget EPOCHS times nothing" in epochs.err
+
+
+def test_time_against_plans_a_lever_that_changes_the_step_at_the_base_rows_seconds_times_the_ratio(
+    tmp_path, write_images, obow_cli, monkeypatch
+):
+    """A lever that halves the batch (twice the steps an epoch) is timed in turns with the base row as the base
+    table ran it, and planned at the base's seconds there x (its step here / the base's step here)."""
+    from obow.experiments import budget
+
+    recipe, data, out = _tiny_table(tmp_path, write_images)
+    source = out / "base" / "table3"
+    source.mkdir(parents=True)
+    stage = {"epochs": 1, "warmup_epochs": 0.5, "seconds_per_step": 3.0, "steps": 2}
+    (source / "plan.json").write_text(
+        json.dumps({"budget": {"minutes": 0.5}, "steps_per_epoch": 2, "stages": {"hard_fixed/pretrain": stage}})
+    )
+    (source / "table.json").write_text(json.dumps({"overrides": ["model.kappa=2.5"]}))
+    timed = []
+
+    def fake_seconds(configs, rounds=3, block=4):  # the machine's timing, made exact for the arithmetic
+        timed.append({name: (cfg.data.batch_size, cfg.model.kappa, cfg.train.threads) for name, cfg in configs.items()})
+        return {name: (1.0 if "[as there]" in name else 0.4) for name in configs}
+
+    monkeypatch.setattr(budget, "seconds_per_step", fake_seconds)
+    args = ["tables", "run", "table3", "--data", data, "--recipe", recipe, "--out", out / "lever", "--plan-only"]
+    obow_cli(*args, "--minutes", "0.5", "--rows", "4", "--time-against", source, "data.batch_size=4", "train.threads=1")
+    plan = json.loads((out / "lever" / "table3" / "plan.json").read_text())
+    # 16 images at batch 4: 4 steps an epoch; the base row as there (batch 8, kappa 2.5) and the lever in turns,
+    # both on the lever's threads
+    assert timed == [{"hard_fixed/pretrain [as there]": (8, 2.5, 1), "hard_fixed/pretrain": (4, 5.0, 1)}]
+    lever = plan["stages"]["hard_fixed/pretrain"]
+    assert plan["steps_per_epoch"] == 4 and lever["seconds_per_step"] == pytest.approx(3.0 * 0.4 / 1.0)
+    # 30 s at 1.2 s a step, 4 steps an epoch: 6.25 -> 6 whole epochs (the base: 30 / 3 / 2 = 5 epochs of 2 steps)
+    assert lever["epochs"] == 6 and lever["steps"] == 24
+    record = plan["timing_against"]["hard_fixed/pretrain"]
+    assert record["plan"] == str(source / "plan.json") and record["changes_there"] == ["model.kappa=2.5"]
+    assert record["scale"] == pytest.approx(3.0) and record["base_seconds_per_step_here"] == 1.0
+    assert f"Timed against `{source / 'plan.json'}`" in _shared_text(plan) and "`hard_fixed` x0.40" in _shared_text(
+        plan
+    )
+    again = obow_cli(*args, "--minutes", "1", "--time-against", source, "data.batch_size=4", check=False)
+    assert again.code == 2 and "a lever gets its base's budget" in again.err
+    both = obow_cli(*args, "--minutes", "0.5", "--time-against", source, "--timing-from", source, check=False)
+    assert both.code == 2 and "cannot be combined with --timing-from" in both.err
+    epochs = obow_cli(*args, "--budget", "2", "--time-against", source, check=False)
+    assert epochs.code == 2 and "--budget EPOCHS times nothing" in epochs.err
+    nowhere = obow_cli(*args, "--minutes", "0.5", "--time-against", out, check=False)
+    assert nowhere.code == 2 and "no plan.json there" in nowhere.err
 
 
 def test_shared_from_takes_the_rows_another_table_has_in_common_and_times_the_others_against_one(

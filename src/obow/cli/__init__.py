@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the other rows are timed against one of them",
     )
     r.add_argument(
+        "--time-against",
+        metavar="TABLE_DIR",
+        help="plan a lever that changes a step's cost (batch, words, views) at the budget of the same rows in "
+        "another folder of this table: each row timed here in turns as there and as here, planned at the ratio",
+    )
+    r.add_argument(
         "--jobs",
         type=int,
         default=1,
@@ -337,6 +343,7 @@ def cmd_tables_run(args: argparse.Namespace) -> int:
             results_from=args.results_from,
             shared_from=args.shared_from,
             jobs=args.jobs,
+            time_against=args.time_against,
         )
     except Interrupted as err:
         return err.exit_code

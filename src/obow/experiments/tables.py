@@ -383,6 +383,7 @@ def run_table(
     results_from: str | Path | None = None,
     shared_from: str | Path | None = None,
     jobs: int = 1,
+    time_against: str | Path | None = None,
 ) -> dict[str, Any]:
     """Train and evaluate the rows of table ``name`` (see the module docstring) for every seed in ``seeds``,
     each row for ``budget`` epochs or for ``minutes`` of this machine; returns the table's record, also written
@@ -397,7 +398,12 @@ def run_table(
     folder's, and its finished rows and seeds count as done here (:func:`import_results`). ``shared_from`` (a
     folder of *another* table on the same images, recipe, changes, protocol and budget) gives the rows this table
     has in common with it that table's plan and finished results, and times this table's other rows in turns
-    with one shared row, at the ratio of their step to its (:func:`share_rows`). ``jobs`` > 1 trains
+    with one shared row, at the ratio of their step to its (:func:`share_rows`). ``time_against`` (a folder of
+    the same table planned for the same ``minutes``, usually without this call's changes) plans a lever whose
+    changes alter a step's cost (``data.batch_size``, ``model.num_words``, views): each row it timed is timed
+    here in turns as it was there and as it is here, and planned at ``its seconds there x the ratio of the two``
+    (``timing_against`` in the plan), so that the lever gets the base's wall-clock budget whatever the
+    machine's load on the day. ``jobs`` > 1 trains
     and evaluates that many row-seed runs at once, each in its own process with ``train.threads`` threads
     (unset: this process's cores divided by ``jobs``, or by the number of runs left if fewer)
     (:func:`run_in_processes`); the plan is made first, here."""
@@ -417,6 +423,10 @@ def run_table(
         raise ValueError(f"--minutes must be > 0, got {minutes!r}")
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"--jobs must be a whole number >= 1, got {jobs!r}")
+    if time_against is not None and (timing_from is not None or shared_from is not None):
+        raise ValueError(
+            "--time-against times this table's rows anew: it cannot be combined with --timing-from or --shared-from"
+        )
     seeds = tuple(seeds)
     if not seeds or len(set(seeds)) != len(seeds) or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
         raise ValueError(f"--seeds must be distinct whole numbers, got {list(seeds)!r}")
@@ -426,10 +436,15 @@ def run_table(
     test_dir = next((data / d for d in ("test", "val") if (data / d).is_dir()), None)
     if not train_dir.is_dir() or test_dir is None:
         raise ValueError(f"{data} must hold train/ and test/ (or val/) folders of class folders")
-    common = [f"data.path={train_dir}", "train.progress_bar=false", *(overrides or [])]
-    common += [f"train.knn_every={curve_every}", f"data.val_path={test_dir}"] if curve_every else ["train.knn_every=0"]
-    if per_class is not None:
-        common.append(f"data.images_per_class={per_class}")
+
+    def with_changes(changes: list[str]) -> list[str]:
+        items = [f"data.path={train_dir}", "train.progress_bar=false", *changes]
+        items += (
+            [f"train.knn_every={curve_every}", f"data.val_path={test_dir}"] if curve_every else ["train.knn_every=0"]
+        )
+        return items + ([f"data.images_per_class={per_class}"] if per_class is not None else [])
+
+    common = with_changes(list(overrides or []))
     base = load_config(recipe, common)
     train_images = scan_images(train_dir, "folders", base.data.images_per_class)
     test_images = align_classes(train_images, scan_images(test_dir, "folders", test_per_class))
@@ -456,8 +471,11 @@ def run_table(
         if shared_from is not None:
             same = {key: value for key, value in expected.items() if key != "table"}
             anchor = share_rows(Path(shared_from), folder, table, recipe, common, values, same, steps_per_epoch)
+        against = None
+        if time_against is not None:
+            against = _timing_against(Path(time_against), recipe, with_changes, len(train_images), minutes)
         plan = _budget_plan(
-            folder, chosen, recipe, common, values, budget, minutes, steps_per_epoch, timing_from, anchor
+            folder, chosen, recipe, common, values, budget, minutes, steps_per_epoch, timing_from, anchor, against
         )
         if plan_only:
             return plan
@@ -526,6 +544,50 @@ def run_table(
         return record
 
 
+@dataclass(frozen=True)
+class Against:
+    """The table folder a lever is timed against (``--time-against``): its ``plan.json`` path, the seconds a step
+    it timed for each stage, the changes that table was run with (``changes``, from its ``table.json``), this
+    call's common items with those changes instead of this call's (``common``) and their placeholders."""
+
+    plan: str
+    seconds: dict[str, float]
+    changes: tuple[str, ...]
+    common: list[str]
+    values: dict[str, Any]
+
+
+def _timing_against(source: Path, recipe: str, with_changes: Any, train_images: int, minutes: float | None) -> Against:
+    """Read the folder named by ``--time-against``: a table folder planned for the same ``minutes`` (any steps
+    an epoch: a lever may change the batch); its ``table.json``, when there, names the changes it was run with
+    (none without it)."""
+    from obow.config import load_config
+
+    if minutes is None:
+        raise ValueError(
+            "--time-against plans a --minutes table from another's timed steps; --budget EPOCHS times nothing"
+        )
+    plan_path = source / "plan.json"
+    if not plan_path.is_file():
+        raise ValueError(f"--time-against {source}: no plan.json there (give a table folder, e.g. runs/x/table1)")
+    other = json.loads(plan_path.read_text())
+    if other.get("budget") != {"minutes": minutes}:
+        raise ValueError(
+            f"--time-against {source}: planned for {other.get('budget')}, this call for {{'minutes': {minutes}}}: "
+            "a lever gets its base's budget"
+        )
+    table_path = source / "table.json"
+    changes = tuple(json.loads(table_path.read_text()).get("overrides", [])) if table_path.is_file() else ()
+    common = with_changes(list(changes))
+    values = _placeholders(load_config(recipe, common), train_images)
+    seconds = {
+        key: stage["seconds_per_step"]
+        for key, stage in other.get("stages", {}).items()
+        if stage.get("seconds_per_step")
+    }
+    return Against(str(plan_path), seconds, changes, common, values)
+
+
 def _budget_plan(
     folder: Path,
     rows: list[Row],
@@ -537,6 +599,7 @@ def _budget_plan(
     steps_per_epoch: int,
     timing_from: str | Path | None = None,
     anchor: Anchor | None = None,
+    against: Against | None = None,
 ) -> dict[str, Any]:
     """Epochs and warm-up of every row's stages, kept in ``<table>/plan.json`` so that every seed, and every
     later call that completes the table, trains a row the same way. A minutes budget times the rows' steps
@@ -544,7 +607,9 @@ def _budget_plan(
     takes them from the ``plan.json`` of the table folder ``timing_from`` where that folder timed them. With an
     ``anchor`` (a row shared with another table, :func:`share_rows`) the anchor row takes its turns with them,
     and each is planned at ``its time / the anchor's time x the anchor's seconds in the other table's plan``
-    (``timing_anchor`` in the plan)."""
+    (``timing_anchor`` in the plan). With ``against`` (``--time-against``) each row that table timed is timed
+    here as it was there and as it is here, in the same alternating rounds, and planned at ``its time here /
+    its base's time here x its seconds there`` (``timing_against`` in the plan)."""
     from obow.config import load_config
     from obow.experiments.budget import plan_epochs, seconds_per_step, short_run_warmup
 
@@ -585,6 +650,30 @@ def _budget_plan(
         lent = {key: v["seconds_per_step"] for key, v in other.get("stages", {}).items() if key in missing}
         timed.update({key: seconds for key, seconds in lent.items() if seconds})
         plan.setdefault("timing_from", {}).update({key: str(other_path) for key in timed})
+    if against is not None:
+        lent = {key: against.seconds[key] for key in missing if against.seconds.get(key)}
+        if lent:
+
+            def as_there(key: str) -> list[str]:
+                # the base's changes instead of this call's, on as many threads as this call's row (a ratio of
+                # steps timed on different thread counts would measure the threads, not the lever)
+                items = [*against.common, *_fill(every[key].overrides, against.values)]
+                items.append(f"train.threads={configs[key].train.threads}")
+                return items + (["bownet.teacher=unused-when-timing.pt"] if every[key].teacher else [])
+
+            turns = {f"{key} [as there]": load_config(recipe, as_there(key)) for key in lent}
+            here = seconds_per_step({**turns, **{key: configs[key] for key in lent}})
+            for key, there in lent.items():
+                base_here = here[f"{key} [as there]"]
+                timed[key] = here[key] * there / base_here
+                plan.setdefault("timing_against", {})[key] = {
+                    "plan": against.plan,
+                    "changes_there": list(against.changes),
+                    "seconds_per_step_there": there,
+                    "base_seconds_per_step_here": base_here,
+                    "seconds_per_step_here": here[key],
+                    "scale": there / base_here,
+                }
     if minutes is not None and set(missing) - set(timed):
         untimed = {key: configs[key] for key in missing if key not in timed}
         if anchor is not None and anchor.seconds_per_step:
@@ -1208,8 +1297,21 @@ def _budget_text(record: dict[str, Any]) -> str:
 
 
 def _shared_text(plan: dict[str, Any]) -> str:
-    """The sentence naming the rows a table shares with another table's folder (``--shared-from``)."""
+    """The sentence naming the rows a table shares with another table's folder (``--shared-from``), or the
+    table its rows were timed against (``--time-against``)."""
     shared, anchored = plan.get("shared_from", {}), plan.get("timing_anchor", {})
+    against = plan.get("timing_against", {})
+    if against:
+        where = sorted({v["plan"] for v in against.values()})
+        scales = ", ".join(
+            f"`{key.split('/')[0]}` x{v['seconds_per_step_here'] / v['base_seconds_per_step_here']:.2f}"
+            for key, v in against.items()
+        )
+        return (
+            f" Timed against {', '.join(f'`{w}`' for w in where)}: each row's step timed here in turns with the same "
+            f"row as planned there, and planned at that row's seconds there times the ratio ({scales}; "
+            "`timing_against` in plan.json)."
+        )
     if not shared:
         return ""
     rows = ", ".join(f"`{key.split('/')[0]}` (= {where})" for key, where in shared.items())

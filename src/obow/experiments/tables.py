@@ -557,7 +557,9 @@ class Against:
     values: dict[str, Any]
 
 
-def _timing_against(source: Path, recipe: str, with_changes: Any, train_images: int, minutes: float | None) -> Against:
+def _timing_against(
+    source: Path, recipe: str, with_changes: Callable[[list[str]], list[str]], train_images: int, minutes: float | None
+) -> Against:
     """Read the folder named by ``--time-against``: a table folder planned for the same ``minutes`` (any steps
     an epoch: a lever may change the batch); its ``table.json``, when there, names the changes it was run with
     (none without it)."""

@@ -87,7 +87,7 @@ def test_a_few_shot_column_the_test_set_cannot_fill_says_why():
     import torch
 
     from obow.evaluate.protocol import evaluate_features
-    from obow.experiments.tables import _aggregate, markdown
+    from obow.experiments.tables import aggregate, markdown
 
     train_x, train_y = torch.randn(12, 4), torch.arange(12) % 3
     test_x, test_y = torch.randn(9, 4), torch.arange(9) % 3  # 3 images per class: 1-shot yes, 5-shot no
@@ -105,8 +105,8 @@ def test_a_few_shot_column_the_test_set_cannot_fill_says_why():
         "train_images": 12,
         "test_images": 9,
         "protocol": {"k": 5, "temperature": 0.1, "episodes": 5},
-        "random_init": _aggregate("random init", "random_init", {}, [run]),
-        "rows": [_aggregate("a", "a", {}, [run])],
+        "random_init": aggregate("random init", "random_init", {}, [run]),
+        "rows": [aggregate("a", "a", {}, [run])],
     }
     table = markdown(record, ("1-shot", "5-shot"))
     assert table.count(note) == 1 and table.rstrip().endswith(f"- `-`: {note}")

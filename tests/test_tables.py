@@ -12,19 +12,19 @@ from obow.config import load_config
 from obow.experiments.budget import crossing_budget, plan_epochs, seconds_per_step, short_run_warmup
 from obow.experiments.tables import (
     TABLES,
-    _aggregate,
-    _fill,
-    _placeholders,
-    _shared_text,
+    aggregate,
     compare_budgets,
     compare_levers,
     curves_text,
+    fill_placeholders,
     list_tables,
     markdown,
     monitor_curves,
+    placeholders,
     select_rows,
     training_minutes,
 )
+from obow.experiments.tables.records import _shared_text
 
 TINY = """
 description: tiny base for tables
@@ -40,13 +40,13 @@ train: {log_every: 1, knn_every: 0, progress_bar: false, tensorboard: false}
 
 def test_every_row_of_every_table_is_a_valid_recipe():
     base = load_config("cifar10_fast")
-    values = _placeholders(base, train_images=5000)
+    values = placeholders(base, train_images=5000)
     assert values["moco_queue"] == 2432  # the largest multiple of 128 at most 2,500
     assert math.isclose(values["lr_x06"], 0.03) and values["teacher_size"] == 40
     for table in TABLES.values():
         for row in table.rows:
             for stage in row.plan():
-                items = _fill(stage.overrides, values)
+                items = fill_placeholders(stage.overrides, values)
                 if stage.teacher:
                     items.append("bownet.teacher=some/checkpoint.pt")
                 cfg = load_config("cifar10_fast", items)
@@ -55,11 +55,11 @@ def test_every_row_of_every_table_is_a_valid_recipe():
                     key, _, _ = item.partition("=")
                     section, name = key.split(".")
                     assert hasattr(getattr(cfg, section), name)
-    one_224 = load_config("cifar10_fast", _fill(TABLES["table4"].rows[0].overrides, values))
+    one_224 = load_config("cifar10_fast", fill_placeholders(TABLES["table4"].rows[0].overrides, values))
     assert one_224.views.crop_size == one_224.views.teacher_size == 40 and one_224.views.num_patches == 0
-    vanilla = load_config("cifar10_fast", _fill(TABLES["table3"].rows[1].overrides, values))
+    vanilla = load_config("cifar10_fast", fill_placeholders(TABLES["table3"].rows[1].overrides, values))
     assert vanilla.model.levels == ("conv5",) and vanilla.views.num_crops == 1 and vanilla.model.assignment == "hard"
-    slow = load_config("cifar10_fast", _fill(TABLES["table2"].rows[-1].overrides, values))
+    slow = load_config("cifar10_fast", fill_placeholders(TABLES["table2"].rows[-1].overrides, values))
     assert math.isclose(slow.optim.lr, 0.2 * base.optim.lr) and slow.model.teacher_momentum == 0.0
     assert "table5" in list_tables() and "MoCo v2 (our aug.)" in list_tables()
 
@@ -98,11 +98,11 @@ def test_aggregate_is_the_mean_and_sample_deviation_over_seeds():
         {"seed": s, "scores": {"knn": v, "notes": []}, "steps": 4, "minutes": m}
         for s, v, m in ((0, 30.0, 1.0), (1, 34.0, 3.0), (2, 35.0, 2.0))
     ]
-    row = _aggregate("x", "x", {}, runs)
+    row = aggregate("x", "x", {}, runs)
     assert row["mean"]["knn"] == pytest.approx(33.0)
     assert row["std"]["knn"] == pytest.approx(math.sqrt(((30 - 33) ** 2 + 1 + 4) / 2))  # n - 1 = 2
     assert row["minutes"] == pytest.approx(2.0) and row["steps"] == 4
-    assert _aggregate("x", "x", {}, runs[:1])["std"]["knn"] is None  # one seed: no spread claimed
+    assert aggregate("x", "x", {}, runs[:1])["std"]["knn"] is None  # one seed: no spread claimed
 
 
 def test_seconds_per_step_times_every_config_in_alternating_rounds(tmp_path, write_images):
@@ -353,7 +353,7 @@ def test_markdown_names_the_changes_made_to_every_row():
         "protocol": {"k": 5, "temperature": 0.1, "episodes": 5},
         "seeds": [0],
         "rows": [],
-        "random_init": _aggregate("random init", "random_init", {}, []),
+        "random_init": aggregate("random init", "random_init", {}, []),
     }
     assert "Changes to the recipe" not in markdown({**record, "overrides": []}, ("linear",))
     text = markdown({**record, "overrides": ["model.teacher_momentum=0.9", "model.num_words=256"]}, ("linear",))
@@ -459,7 +459,7 @@ def _budget_record(minutes: float, scores: dict[str, dict[int, float]], **extra)
 
     def row(slug: str) -> dict:
         runs = [{"seed": s, "scores": {"knn": v}, "steps": 1, "minutes": minutes} for s, v in scores[slug].items()]
-        return _aggregate(slug.upper(), slug, {}, runs)
+        return aggregate(slug.upper(), slug, {}, runs)
 
     return {
         "table": "mocov2",

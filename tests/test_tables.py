@@ -689,6 +689,38 @@ def test_jobs_train_the_row_seeds_in_parallel_processes_with_the_same_results(tm
     assert len(pids) == 4  # a fresh process for each task
 
 
+def _wait_for_a_signal(seconds: float, threads: int) -> None:
+    """A ``--jobs`` process's body for the test below: it does nothing until signalled (SIGTERM ends it)."""
+    import time
+
+    time.sleep(seconds)
+
+
+def test_a_signal_that_comes_while_a_jobs_task_is_being_started_starts_nothing_more(caplog):
+    """A SIGTERM that arrives while the next ``--jobs`` process is being prepared (seen on a real run: the
+    process started two seconds after the signal and trained to its end, never sent it) starts no more: the
+    running process is sent the signal and :class:`Interrupted` is raised at once."""
+    import signal
+    import time
+
+    from obow.experiments.tables.run import Task, run_in_processes
+    from obow.training.loop import Interrupted
+
+    def arguments(task: Task) -> float:
+        if task.seed == 1:  # the signal arrives while the second process's arguments are being built
+            os.kill(os.getpid(), signal.SIGTERM)
+        return 60.0
+
+    done = []
+    start = time.monotonic()
+    with caplog.at_level("INFO", logger="obow"), pytest.raises(Interrupted):
+        run_in_processes([Task(None, 0), Task(None, 1)], 2, 1, arguments, done.append, target=_wait_for_a_signal)
+    assert caplog.text.count("started ") == 1 and "started random init, seed 0" in caplog.text
+    assert done == []  # the first process ended by the signal, not by finishing
+    assert time.monotonic() - start < 50  # not the 60 s sleep: the running process got the signal
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
+
+
 @pytest.mark.slow
 def test_sigterm_to_a_jobs_table_stops_every_process_at_a_checkpoint_and_the_command_resumes(tmp_path, write_images):
     """A scheduler's SIGTERM to ``obow tables run --jobs 2`` reaches both training processes: each writes a

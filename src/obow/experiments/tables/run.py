@@ -257,13 +257,20 @@ def _task_process(task_args: tuple, threads: int) -> None:
 
 
 def run_in_processes(
-    tasks: list[Task], jobs: int, threads: int, arguments: Callable[[Task], tuple], finished: Callable[[Task], Any]
+    tasks: list[Task],
+    jobs: int,
+    threads: int,
+    arguments: Callable[[Task], tuple],
+    finished: Callable[[Task], Any],
+    target: Callable[[tuple, int], None] = _task_process,
 ) -> None:
     """Run ``tasks`` in order, at most ``jobs`` at a time, each in a fresh process (``spawn``) with ``threads``
     intra-op threads, calling ``finished(task)`` here after each one that wrote its result. SIGINT and SIGTERM
     received here are passed on to the running processes (which finish their step, write a checkpoint and stop;
     the terminal's Ctrl-C reaches them as well, and the two count as one request) and no task is started after
-    them; then :class:`~obow.training.loop.Interrupted` is raised. A task that fails lets the running ones
+    them (a process that was starting when one arrived is sent it too); then
+    :class:`~obow.training.loop.Interrupted` is raised. ``target(arguments(task), threads)`` is each process's
+    body (:func:`_task_process`). A task that fails lets the running ones
     finish, starts no other, then raises ``RuntimeError`` naming it: nothing finished is lost, and the same
     command resumes."""
     import multiprocessing
@@ -292,11 +299,16 @@ def run_in_processes(
     try:
         while running or (pending and not received and not failed):
             while pending and not received and not failed and len(running) < jobs:
+                task_args = arguments(pending[0])
+                if received:  # the signal came while this task's arguments were built: it does not start
+                    break
                 task = pending.pop(0)
-                process = context.Process(target=_task_process, args=(arguments(task), threads), name=str(task))
+                process = context.Process(target=target, args=(task_args, threads), name=str(task))
                 process.start()
                 running[process.sentinel] = (process, task)
                 log.info("started %s (process %d, %d thread(s))", task, process.pid, threads)
+                if received and process.is_alive():  # the signal came while it started, before it was running
+                    os.kill(process.pid, signal.Signals[received[0]])
             for sentinel in multiprocessing.connection.wait(list(running)):
                 process, task = running.pop(sentinel)
                 process.join()

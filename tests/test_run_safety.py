@@ -237,6 +237,45 @@ def test_first_signal_is_noted_a_repeat_at_once_is_the_same_and_a_later_one_abor
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the previous handlers are back
 
 
+class SignalAtTheLastEpoch:
+    """A monitor that sends this process SIGTERM while it measures the last epoch's student (the epoch's end)."""
+
+    def __init__(self, cfg, images, device) -> None:
+        self.epochs = cfg.optim.epochs
+
+    def due(self, epoch: int) -> bool:
+        return epoch == self.epochs
+
+    def __call__(self, backbone) -> dict[str, float]:
+        deliver(signal.SIGTERM)
+        return {}
+
+
+def test_a_signal_during_the_last_epochs_end_stops_the_command_after_a_complete_run(tmp_path, write_images, caplog):
+    """A signal that comes as the run ends (the last epoch's monitor or checkpoint) is not swallowed: the run is
+    complete and saved, and :class:`Interrupted` stops the command before what follows the training (a table's
+    evaluation and next run). Before, pretrain returned as if nothing came, and ``obow tables run`` went on."""
+    from obow.training.loop import Interrupted, pretrain
+
+    data = write_images(tmp_path / "data", per_class=8, size=20)  # 16 images, batch 8: 2 steps per epoch
+    overrides = [f"data.path={data}", "optim.epochs=2", "train.tensorboard=false", "train.knn_every=0"]
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(TINY_RECIPE)
+    cfg = load_config(recipe, overrides)
+    out = tmp_path / "run"
+    with caplog.at_level("INFO", logger="obow"), pytest.raises(Interrupted) as err:
+        pretrain(cfg, out, monitor=SignalAtTheLastEpoch)
+    assert err.value.exit_code == 128 + signal.SIGTERM
+    assert "Interrupted as the run ended: it is complete (checkpoint written at iteration 4)" in caplog.text
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert ckpt["epoch"] == 2 and ckpt["iteration"] == 4
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    caplog.clear()
+    with caplog.at_level("INFO", logger="obow"):  # the same command then goes on: nothing is trained again
+        assert pretrain(cfg, out, monitor=SignalAtTheLastEpoch)["iteration"] == 4
+    assert "already complete" in caplog.text
+
+
 class AbortWhilePickled:
     """Stands for a second Ctrl-C arriving in the middle of ``torch.save``."""
 

@@ -721,6 +721,33 @@ def test_a_signal_that_comes_while_a_jobs_task_is_being_started_starts_nothing_m
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
 
 
+def test_a_signal_outside_training_stops_an_in_process_table_with_its_message_and_exit_code(caplog):
+    """``--jobs 1``: a SIGTERM that comes outside training (here during the first task's evaluation stand-in)
+    stops at once with :class:`Interrupted` (exit code 143, a message saying what is kept): the task under way
+    is not reported finished and no later task starts. Before, it killed the command by the default handler
+    ("Terminated", no message) when it came between two runs."""
+    import signal
+
+    from obow.experiments.tables.run import Task, run_in_order
+    from obow.training.loop import Interrupted
+
+    started, done = [], []
+
+    def body(task: Task) -> None:
+        started.append(task.seed)
+        if task.seed == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise AssertionError("the signal did not stop the task")  # pragma: no cover
+
+    tasks = [Task(None, 0), Task(None, 1), Task(None, 2)]
+    with caplog.at_level("INFO", logger="obow"), pytest.raises(Interrupted) as err:
+        run_in_order(tasks, body, done.append)
+    assert err.value.exit_code == 128 + signal.SIGTERM
+    assert started == [0, 1] and [t.seed for t in done] == [0]
+    assert "SIGTERM outside training: stopping now, no new task starts" in caplog.text
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
+
+
 @pytest.mark.slow
 def test_sigterm_to_a_jobs_table_stops_every_process_at_a_checkpoint_and_the_command_resumes(tmp_path, write_images):
     """A scheduler's SIGTERM to ``obow tables run --jobs 2`` reaches both training processes: each writes a

@@ -182,13 +182,20 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
             try:
                 train_epochs(run, state, epoch_monitor)
             except Interrupted:
-                log_main(
-                    "Interrupted: checkpoint written at iteration %d (epoch %d, batch %d); run the same command "
-                    "to resume",
-                    state.iteration,
-                    state.epoch + 1,
-                    state.batch_in_epoch,
-                )
+                if state.epoch >= cfg.optim.epochs:
+                    log_main(
+                        "Interrupted as the run ended: it is complete (checkpoint written at iteration %d); the "
+                        "command stops here, and the same command goes on with what follows the training",
+                        state.iteration,
+                    )
+                else:
+                    log_main(
+                        "Interrupted: checkpoint written at iteration %d (epoch %d, batch %d); run the same command "
+                        "to resume",
+                        state.iteration,
+                        state.epoch + 1,
+                        state.batch_in_epoch,
+                    )
                 raise
             finally:
                 logger.close()
@@ -241,8 +248,8 @@ def train_epochs(run: Run, state: RunState, epoch_monitor: Monitor | None) -> No
         state.end_epoch(record)
         run.logger.epoch(record)
         run.save(state)
-        if state.epoch < run.cfg.optim.epochs and run.boundary.check().stop:  # a signal during the epoch's end
-            raise Interrupted(run.boundary.signals.received)
+        if run.boundary.check().stop:  # a signal during the epoch's end; after the last one, the run is complete
+            raise Interrupted(run.boundary.signals.received)  # and the command stops before what follows it
 
 
 def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:

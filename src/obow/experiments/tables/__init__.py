@@ -31,7 +31,9 @@ speed on the day is not. The plan fixes each row's steps, not its threads: on a 
 side by side with ``OMP_NUM_THREADS=1`` each; only the wall time in ``table.md`` changes. Measured (2026-11-24): the
 MoCo v2 table on CIFAR-10 and on Imagenette side by side, one thread each, ran OBoW (full) at 7.1 and 7.4 s a step,
 against 3.85 and 4.06 s timed alone with both cores: about 1.1x the work of one table at a time. ``--jobs N`` does
-the same within one table: N of its row-seed runs at once, each in its own process (:func:`run_in_processes`).
+the same within one table: N of its row-seed runs at once, each in its own process (:func:`run_in_processes`);
+with ``--jobs 1`` they run in this process (:func:`run_in_order`). Either way a signal stops the table: training
+runs at a checkpoint, evaluations at once; finished results stay and the same command resumes.
 
 Settings the tables change for a short run, the same rule for every row:
 
@@ -95,7 +97,7 @@ from obow.experiments.tables.catalog import (
 from obow.experiments.tables.compare import compare_budgets, compare_levers
 from obow.experiments.tables.plan import budget_plan, import_results, share_rows
 from obow.experiments.tables.records import aggregate, machine_description, markdown, training_minutes
-from obow.experiments.tables.run import Task, run_in_processes, run_table
+from obow.experiments.tables.run import Task, run_in_order, run_in_processes, run_table
 from obow.experiments.tables.status import curves_text, monitor_curves, read_table_plan, table_status
 
 __all__ = [
@@ -118,6 +120,7 @@ __all__ = [
     "monitor_curves",
     "placeholders",
     "read_table_plan",
+    "run_in_order",
     "run_in_processes",
     "run_table",
     "select_rows",

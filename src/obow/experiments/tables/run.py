@@ -193,10 +193,11 @@ def run_table(
             )
             tasks = [task for task in tasks if task not in waiting]
         if jobs == 1 or len(tasks) < 2:
-            for task in tasks:
-                _run_task(task, folder, recipe, common, values, plan, base, sets, device, protocol)
-                write_table()
-                log.info("%s: %s done", name, task)
+            run_in_order(
+                tasks,
+                lambda task: _run_task(task, folder, recipe, common, values, plan, base, sets, device, protocol),
+                lambda task: (write_table(), log.info("%s: %s done", name, task)),
+            )
         else:
             threads = base.train.threads or max(1, available_cores() // min(jobs, len(tasks)))
             job_common = [*common, f"train.threads={threads}"]
@@ -237,6 +238,35 @@ def _run_task(
     done = _run_row(task.row, result.parent, recipe, [*common, f"train.seed={task.seed}"], values, plan)
     done["scores"] = _scores(done.pop("checkpoint"), sets, device, protocol)
     write_json(result, {**done, "seed": task.seed})
+
+
+def run_in_order(tasks: list[Task], body: Callable[[Task], Any], finished: Callable[[Task], Any]) -> None:
+    """Run ``tasks`` one after another in this process, ``body(task)`` then ``finished(task)`` for each.
+
+    While a run trains, SIGINT and SIGTERM belong to the training loop (it finishes the step, writes a checkpoint
+    and raises :class:`~obow.training.loop.Interrupted`). Outside training (a row's evaluation, the random
+    init's, writing the table, between two runs) a signal stops the table at once with
+    :class:`~obow.training.loop.Interrupted`, and no later task starts: the finished tasks' results are kept, as
+    is a trained row's complete checkpoint, which the same command then evaluates without training again."""
+    from obow.training.loop import Interrupted
+
+    def stop(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        log.warning("%s outside training: stopping now, no new task starts; finished results and checkpoints are "
+                    "kept, the same command resumes", name)  # fmt: skip
+        raise Interrupted(name)
+
+    try:
+        previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: leave signals alone
+        previous = {}
+    try:
+        for task in tasks:
+            body(task)
+            finished(task)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _task_process(task_args: tuple, threads: int) -> None:

@@ -57,8 +57,10 @@ from obow.training.loop import (
     Run,
     build_model,
     build_optimizer,
+    native_bf16,
     precision_context,
     prepare_step_model,
+    resolve_precision,
     to_device,
     train_step,
 )
@@ -175,6 +177,8 @@ def compare(args: argparse.Namespace, device: torch.device) -> None:
 def describe(args: argparse.Namespace, cfg: Config, device: torch.device) -> str:
     v, m = cfg.views, cfg.model
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    where += f", native bf16: {'yes' if native_bf16(device) else 'no'} (train.precision=auto -> "
+    where += f"{resolve_precision('auto', device)})"
     return (
         f"{args.config}: {m.method}, {m.arch} ({m.stem} stem), batch {cfg.data.batch_size}, teacher {v.teacher_size}"
         f" px, {v.num_crops} x {v.crop_size} + {v.num_patches} x {v.patch_size} px, K={m.num_words}, "

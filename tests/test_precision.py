@@ -15,6 +15,7 @@ most 0.011 (full width) and 0.012 (narrow) over three seeds, means below 0.01 fo
 """
 
 import copy
+import json
 import logging
 
 import pytest
@@ -76,3 +77,51 @@ def test_bf16_on_a_cpu_without_fast_bf16_runs_there_with_a_warning(
         device = loop.setup_process(cfg)
     assert device.type == "cpu"  # still runs, on the device asked for, at the precision asked for
     assert ("emulates bfloat16" in caplog.text) == warned
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+def test_auto_is_bf16_exactly_where_the_cpu_has_bf16_instructions():
+    flags = _cpu_flags()
+    if "avx2" not in flags:
+        pytest.skip("needs an x86 CPU whose flags Linux lists in /proc/cpuinfo (the independent reference)")
+    native = "avx512_bf16" in flags or "amx_bf16" in flags  # the instructions oneDNN's fast bf16 kernels use
+    cpu = torch.device("cpu")
+    assert loop.native_bf16(cpu) is native
+    assert loop.resolve_precision("auto", cpu) == ("bf16" if native else "fp32")
+    for precision in ("fp32", "bf16", "fp16"):  # asked for: kept, even where slow (the warning says so)
+        assert loop.resolve_precision(precision, cpu) == precision
+
+
+def test_an_auto_run_records_its_choice_and_a_resume_keeps_it_on_another_machine(
+    monkeypatch, tmp_path, tiny_recipe, write_images, obow_cli, caplog
+):
+    data = write_images(tmp_path / "data", per_class=8, size=28)
+    out = tmp_path / "run"
+    args = ["pretrain", "--config", tiny_recipe, "--data", data, "--out", out, "train.precision=auto"]
+    args += ["train.knn_every=0", "train.deterministic=false"]
+    monkeypatch.setattr(loop, "native_bf16", lambda device: True)  # a machine with AVX-512 BF16
+    with caplog.at_level(logging.INFO, logger="obow"):
+        obow_cli(*args, "optim.epochs=1")
+    assert "train.precision=auto -> bf16 (native bf16 on this cpu)" in caplog.text
+    assert load_config(str(out / "config.yaml")).train.precision == "bf16"
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["config"]["train"]["precision"] == "bf16"
+
+    monkeypatch.setattr(loop, "native_bf16", lambda device: False)  # resumed (extended) on an AVX2 machine
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="obow"):
+        obow_cli(*args, "optim.epochs=2")
+    assert "train.precision=auto -> bf16 (as the run started)" in caplog.text
+    assert load_config(str(out / "config.yaml")).train.precision == "bf16"
+    epochs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in epochs if r.get("type") == "epoch"] == [1, 2]  # resumed, not restarted
+
+    fresh = tmp_path / "fresh"  # a new run on that machine chooses for itself
+    obow_cli(*[fresh if a == out else a for a in args], "optim.epochs=1")
+    assert load_config(str(fresh / "config.yaml")).train.precision == "fp32"

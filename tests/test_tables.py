@@ -24,7 +24,9 @@ from obow.experiments.tables import (
     select_rows,
     training_minutes,
 )
+from obow.experiments.tables.plan import table_precision
 from obow.experiments.tables.records import _shared_text
+from obow.training import loop
 
 TINY = """
 description: tiny base for tables
@@ -429,6 +431,42 @@ def test_results_from_continues_a_published_table_on_another_machine_without_ret
     assert fewer.code == 2 and "its protocol" in fewer.err and "'episodes': 7" in fewer.err
     nothing = obow_cli(*args, "--out", out / "third", "--results-from", tmp_path, check=False)
     assert nothing.code == 2 and "needs table.json and plan.json" in nothing.err
+
+
+def test_a_table_keeps_the_precision_it_was_planned_at_on_any_machine(tmp_path, write_images, obow_cli, monkeypatch):
+    """Rows are compared only at one precision: a table's plan.json records it, and a machine that would choose
+    another for train.precision=auto (bf16 where native) continues the table at the plan's."""
+    monkeypatch.setattr(loop, "native_bf16", lambda device: True)  # this machine would choose bf16
+    new, legacy, other = tmp_path / "new", tmp_path / "legacy", tmp_path / "other"
+    assert table_precision(new, "auto", "cpu", [None]) == "bf16"  # a new table: the machine's choice
+    assert table_precision(new, "fp32", "cpu", [None]) == "fp32"  # or what the call asks for
+    for folder, plan in ((legacy, {"stages": {}}), (other, {"precision": "bf16", "stages": {}})):
+        folder.mkdir()
+        (folder / "plan.json").write_text(json.dumps(plan))
+    assert table_precision(legacy, "auto", "cpu", [None]) == "fp32"  # plans written before the key: all fp32
+    assert table_precision(new, "auto", "cpu", [other, None]) == "bf16"  # continued or shared from a bf16 plan
+    with pytest.raises(ValueError, match="planned at train.precision=fp32, this call asks for bf16"):
+        table_precision(legacy, "bf16", "cpu", [None])
+    with pytest.raises(ValueError, match="different precisions.*legacy/plan.json: fp32.*other/plan.json: bf16"):
+        table_precision(legacy, "auto", "cpu", [other])
+
+    # a real (tiny) table, its recipe asking for auto: the plan records the choice, every run trains at it, and
+    # a folder planned before the key existed keeps training in fp32 on this bf16 machine
+    recipe, data, out = _tiny_table(tmp_path, write_images)
+    args = ["tables", "run", "table3", "--data", data, "--budget", "1", "--recipe", recipe, "--rows", "4"]
+    args += ["--k", "5", "--episodes", "5", "train.precision=auto"]
+    obow_cli(*args, "--out", out / "auto")
+    assert json.loads((out / "auto" / "table3" / "plan.json").read_text())["precision"] == "bf16"
+    assert load_config(out / "auto" / "table3" / "hard_fixed" / "seed0" / "config.yaml").train.precision == "bf16"
+    assert "Every run trained with `train.precision=bf16`" in (out / "auto" / "table3" / "table.md").read_text()
+    old = out / "old" / "table3"
+    old.mkdir(parents=True)
+    planned = json.loads((out / "auto" / "table3" / "plan.json").read_text())
+    (old / "plan.json").write_text(json.dumps({k: v for k, v in planned.items() if k != "precision"}))
+    obow_cli(*args, "--out", out / "old")
+    assert json.loads((old / "plan.json").read_text())["precision"] == "fp32"
+    assert load_config(old / "hard_fixed" / "seed0" / "config.yaml").train.precision == "fp32"
+    assert "Every run trained with" not in (old / "table.md").read_text()  # as every table before the key
 
 
 def test_crossing_budget_reads_the_gap_as_a_line_in_log_minutes():

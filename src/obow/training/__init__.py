@@ -6,5 +6,6 @@ The allowed values of the training settings are declared here, without importing
 
 #: Where a run computes: a GPU when one is visible (auto), or the one named.
 DEVICES = ("auto", "cpu", "cuda")
-#: Arithmetic of the forward pass: float32, or bfloat16 / float16 autocast (the BoW codes stay float32).
-PRECISIONS = ("fp32", "bf16", "fp16")
+#: Arithmetic of the forward pass: float32, or bfloat16 / float16 autocast (the BoW codes stay float32); auto:
+#: bf16 where the device computes bfloat16 in hardware, else fp32 (chosen once per run, when it starts).
+PRECISIONS = ("fp32", "bf16", "fp16", "auto")

@@ -43,6 +43,11 @@ Settings the tables change for a short run, the same rule for every row:
   below its random init (kNN 23.0 against 26.9).
 * Nothing else is scaled: the teacher momentum's cosine (0.99 -> 1) and the learning rate's cosine run over
   the row's own steps, as in any run; the temperature statistic's momentum is per step (the recipe's).
+* **Precision**: one for the whole table, recorded in ``plan.json`` (:func:`table_precision`): a new table
+  takes the recipe's ``train.precision`` (``auto``: bf16 where this machine computes it natively, fp32
+  elsewhere), a table that is continued, or shares rows or timed steps with another, keeps that plan's
+  (plans that record none are fp32: every table before the key was). A machine that would choose otherwise
+  still trains the table at its plan's precision, so that its rows and seeds stay comparable.
 
 How the paper's settings map onto the base recipe:
 
@@ -95,7 +100,7 @@ from obow.experiments.tables.catalog import (
     select_rows,
 )
 from obow.experiments.tables.compare import compare_budgets, compare_levers
-from obow.experiments.tables.plan import budget_plan, import_results, share_rows
+from obow.experiments.tables.plan import budget_plan, import_results, share_rows, table_precision
 from obow.experiments.tables.records import aggregate, machine_description, markdown, training_minutes
 from obow.experiments.tables.run import Task, run_in_order, run_in_processes, run_table
 from obow.experiments.tables.status import curves_text, monitor_curves, read_table_plan, table_status
@@ -125,6 +130,7 @@ __all__ = [
     "run_table",
     "select_rows",
     "share_rows",
+    "table_precision",
     "table_status",
     "training_minutes",
 ]

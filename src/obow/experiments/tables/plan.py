@@ -63,6 +63,43 @@ def read_time_against(
     return Against(str(plan_path), seconds, changes, common, values)
 
 
+#: The precision of a plan that does not say: obow recorded none before ``train.precision: auto``, when every
+#: table trained in float32.
+UNRECORDED_PRECISION = "fp32"
+
+
+def table_precision(folder: Path, asked: str, device: str, sources: list[str | Path | None]) -> str:
+    """The ``train.precision`` every run of the table in ``folder`` trains and is timed at, so that its rows stay
+    comparable whatever machine continues it: the precision in its ``plan.json``, or in the plans of the folders
+    it takes plan, results or timed steps from (``sources``: ``--results-from``, ``--shared-from``,
+    ``--timing-from``, ``--time-against``; they must agree); for a new table, ``asked`` (the recipe's
+    ``train.precision`` with this call's changes) as :func:`obow.training.loop.resolve_precision` makes it on
+    ``device`` (``auto``: bf16 where it is native). A ``ValueError`` when the plans disagree, or when ``asked``
+    is neither ``auto`` nor theirs."""
+    import torch
+
+    from obow.training.loop import resolve_precision
+
+    plans = [folder / "plan.json", *(Path(source) / "plan.json" for source in sources if source is not None)]
+    found = {
+        str(path): json.loads(path.read_text()).get("precision", UNRECORDED_PRECISION)
+        for path in plans
+        if path.is_file()
+    }
+    if not found:
+        return resolve_precision(asked, torch.device(device))
+    if len(set(found.values())) > 1:
+        listed = ", ".join(f"{path}: {precision}" for path, precision in found.items())
+        raise ValueError(f"these plans were made at different precisions ({listed}): their rows are not comparable")
+    precision = next(iter(found.values()))
+    if asked not in ("auto", precision):
+        raise ValueError(
+            f"{next(iter(found))} was planned at train.precision={precision}, this call asks for {asked}: a table "
+            "keeps one precision (use another --out for a table at another)"
+        )
+    return precision
+
+
 def budget_plan(
     folder: Path,
     rows: list[Row],
@@ -75,8 +112,10 @@ def budget_plan(
     timing_from: str | Path | None = None,
     anchor: Anchor | None = None,
     against: Against | None = None,
+    precision: str = UNRECORDED_PRECISION,
 ) -> dict[str, Any]:
-    """Epochs and warm-up of every row's stages, kept in ``<table>/plan.json`` so that every seed, and every
+    """Epochs and warm-up of every row's stages, and the ``precision`` they train at (:func:`table_precision`),
+    kept in ``<table>/plan.json`` so that every seed, and every
     later call that completes the table, trains a row the same way. A minutes budget times the rows' steps
     (:func:`obow.experiments.budget.seconds_per_step`, in alternating rounds) the first time a row is met, or
     takes them from the ``plan.json`` of the table folder ``timing_from`` where that folder timed them. With an
@@ -96,10 +135,16 @@ def budget_plan(
             f"{folder} holds a table planned for {plan['budget']} and {plan['steps_per_epoch']} steps an epoch; "
             f"this call asks for {wanted} and {steps_per_epoch}: use another --out, or the same budget and images"
         )
+    if plan.get("precision", precision if "stages" not in plan else UNRECORDED_PRECISION) != precision:
+        raise ValueError(f"{path} was planned at train.precision={plan.get('precision')}, not {precision}")
+    recorded = "precision" in plan
+    plan["precision"] = precision
     stages = plan.setdefault("stages", {})
     every = {f"{row.slug}/{stage.name}": stage for row in rows for stage in row.plan()}
     missing = {key: stage for key, stage in every.items() if key not in stages}
     if not missing:
+        if not recorded:
+            write_json(path, plan)
         return plan
     configs = {}
     for key, stage in missing.items():
@@ -134,6 +179,7 @@ def budget_plan(
                 # steps timed on different thread counts would measure the threads, not the lever)
                 items = [*against.common, *fill_placeholders(every[key].overrides, against.values)]
                 items.append(f"train.threads={configs[key].train.threads}")
+                items.append(f"train.precision={precision}")
                 return items + (["bownet.teacher=unused-when-timing.pt"] if every[key].teacher else [])
 
             turns = {f"{key} [as there]": load_config(recipe, as_there(key)) for key in lent}
@@ -314,6 +360,7 @@ def share_rows(
     )
     if own.get("budget") != expected["budget"] or own.get("steps_per_epoch") != steps_per_epoch:
         raise ValueError(f"--shared-from {source}: {folder} is planned for another budget or images; use another --out")
+    own.setdefault("precision", plan.get("precision", UNRECORDED_PRECISION))  # table_precision: they agree
     stages = own.setdefault("stages", {})
     for mine, slug in matches.items():
         key, entry = f"{mine}/pretrain", planned[f"{slug}/pretrain"]

@@ -142,6 +142,13 @@ def _shared_text(plan: dict[str, Any]) -> str:
     return text
 
 
+def _precision_text(plan: dict[str, Any]) -> str:
+    """A sentence for a table trained in mixed precision (none for float32, which every table before
+    ``train.precision: auto`` used without recording it)."""
+    precision = plan.get("precision", "fp32")
+    return "" if precision == "fp32" else f" Every run trained with `train.precision={precision}` (autocast)."
+
+
 def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
     """The table: the paper's numbers beside this run's (mean ± standard deviation over the seeds), then kNN,
     its gain over the random init of the same network, the effective rank and the budget of each row."""
@@ -157,6 +164,7 @@ def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
         f"images; seeds {seeds} (mean ± sample standard deviation); evaluated on {record['test_images']} test images "
         f"(kNN k={protocol['k']}, T={protocol['temperature']}; few-shot {protocol['episodes']} episodes). "
         f"Machine: {record.get('machine', 'not recorded')}."
+        + _precision_text(record.get("plan", {}))
         + (f" Changes to the recipe for every row: {', '.join(f'`{o}`' for o in overrides)}." if overrides else "")
         + (
             f" Continued from {', '.join(f'`{p}`' for p in record['continued_from'])}: the runs found there were "

@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from obow.experiments.tables.catalog import TABLES, Row, fill_placeholders, placeholders, select_rows
-from obow.experiments.tables.plan import budget_plan, import_results, read_time_against, share_rows
+from obow.experiments.tables.plan import (
+    budget_plan,
+    import_results,
+    read_time_against,
+    share_rows,
+    table_precision,
+)
 from obow.experiments.tables.records import (
     aggregate,
     finished_runs,
@@ -132,6 +138,9 @@ def run_table(
             "protocol": protocol,
             "overrides": list(overrides or []),
         }
+        sources = [results_from, shared_from, timing_from, time_against]
+        precision = table_precision(folder, base.train.precision, device, sources)
+        common = [*common, f"train.precision={precision}"]  # every run and timing of the table, whatever the recipe
         if results_from is not None:
             import_results(Path(results_from), folder, expected, steps_per_epoch)
         anchor = None
@@ -142,8 +151,9 @@ def run_table(
         if time_against is not None:
             against = read_time_against(Path(time_against), recipe, with_changes, len(train_images), minutes)
         plan = budget_plan(
-            folder, chosen, recipe, common, values, budget, minutes, steps_per_epoch, timing_from, anchor, against
-        )
+            folder, chosen, recipe, common, values, budget, minutes, steps_per_epoch, timing_from, anchor, against,
+            precision,
+        )  # fmt: skip
         if plan_only:
             return plan
 

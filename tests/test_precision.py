@@ -110,6 +110,7 @@ def test_an_auto_run_records_its_choice_and_a_resume_keeps_it_on_another_machine
     with caplog.at_level(logging.INFO, logger="obow"):
         obow_cli(*args, "optim.epochs=1")
     assert "train.precision=auto -> bf16 (native bf16 on this cpu)" in caplog.text
+    assert "emulates" not in caplog.text
     assert load_config(str(out / "config.yaml")).train.precision == "bf16"
     assert torch.load(out / "checkpoint.pt", weights_only=False)["config"]["train"]["precision"] == "bf16"
 
@@ -118,6 +119,7 @@ def test_an_auto_run_records_its_choice_and_a_resume_keeps_it_on_another_machine
     with caplog.at_level(logging.INFO, logger="obow"):
         obow_cli(*args, "optim.epochs=2")
     assert "train.precision=auto -> bf16 (as the run started)" in caplog.text
+    assert "this one has none and emulates bfloat16" in caplog.text  # told why it may be slow here
     assert load_config(str(out / "config.yaml")).train.precision == "bf16"
     epochs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in epochs if r.get("type") == "epoch"] == [1, 2]  # resumed, not restarted

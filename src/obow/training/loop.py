@@ -528,6 +528,12 @@ def settle_precision(cfg: Config, out: Path, device: torch.device) -> Config:
         else f"{'native' if precision == 'bf16' else 'no native'} bf16 on this {device.type}"
     )
     log_main("Precision: train.precision=auto -> %s (%s)", precision, why)
+    if precision == "bf16" and device.type == "cpu" and not native_bf16(device):
+        log_main(
+            "this run started in bf16 on a CPU with bf16 instructions; this one has none and emulates bfloat16, far "
+            "slower than fp32: the run keeps bf16 to resume exactly (a new --out can start in fp32 here)",
+            level=logging.WARNING,
+        )
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
 
 

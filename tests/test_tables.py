@@ -586,6 +586,15 @@ def test_compare_levers_pairs_each_row_with_the_base_of_the_same_seed(tmp_path, 
     assert "lacks as in the base" not in compare_levers([base, lever])  # both rows ran the lever
     with pytest.raises(ValueError, match="differ in budget"):
         compare_levers([base, {**lever, "budget": {"minutes": 12.5}}])
+    # a lever planned in epochs whose rows have the base rows' steps (e.g. another precision: a cheaper step
+    # compared at equal steps) is compared, and said to be at equal steps
+    steps = {**lever, "budget": {"epochs": 3}, "overrides": ["train.precision=bf16"]}
+    text = compare_levers([base, steps])
+    assert "Levers at the base's steps, not its time" in text and "`train.precision=bf16`." in text
+    assert "| OBOW_FULL | 25.00 ± 2.83 (2) | 27.00 ± 1.41 (2); +2.00 ± 1.41 (2) vs base |" in text
+    other = {**steps, "rows": [{**row, "runs": [{**run, "steps": 2} for run in row["runs"]]} for row in lever["rows"]]}
+    with pytest.raises(ValueError, match="differ in budget"):  # other steps: neither equal time nor equal steps
+        compare_levers([base, other])
     with pytest.raises(ValueError, match="nothing changed"):
         compare_levers([base, base])
     with pytest.raises(ValueError, match="base table first and at least one lever"):

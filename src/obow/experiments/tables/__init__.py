@@ -79,7 +79,8 @@ the protocol and the machine.
 budgets side by side: the gain of each row over random init against the budget, and where the gap between two
 rows would cross zero, read as a line in log-minutes. ``obow tables levers BASE LEVER ...`` (:func:`compare_levers`)
 puts one table at one budget beside the same table run with ``key=value`` changes: each row's change against the
-base's same row and seed, and the change in the gap between two rows.
+base's same row and seed, and the change in the gap between two rows (a lever planned in epochs with the base
+rows' steps is compared at equal steps).
 
 The package, in the order a table is made: :mod:`~obow.experiments.tables.catalog` (the tables as data),
 :mod:`~obow.experiments.tables.plan` (``plan.json``, and the folders a plan or results come from),

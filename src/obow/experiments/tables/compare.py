@@ -20,6 +20,18 @@ def _scores_measured(record: dict[str, Any]) -> list[str]:
     )
 
 
+def _same_steps(base: dict[str, Any], lever: dict[str, Any]) -> bool:
+    """Whether every trained row of ``lever`` is a row of ``base`` trained for the same steps (each seed's)."""
+    rows = [row for row in lever["rows"] if row.get("runs")]
+
+    def steps(record: dict[str, Any], slug: str) -> set[Any]:
+        row = _find_row(record, slug)
+        return {run.get("steps") for run in row["runs"]} if row else set()
+
+    return bool(rows) and all(len(steps(lever, r["slug"])) == 1 and steps(lever, r["slug"]) == steps(base, r["slug"])
+                              for r in rows)  # fmt: skip
+
+
 def _find_row(record: dict[str, Any], name: str) -> dict[str, Any] | None:
     """A row by label or folder name (slug); ``random_init`` names the random-init row."""
     return next((row for row in [record["random_init"], *record["rows"]] if name in (row["label"], row["slug"])), None)
@@ -143,12 +155,19 @@ def compare_levers(records: list[dict[str, Any]], score: str = "knn", versus: tu
     MoCo v2 (our aug.)) in each table and its change against the base's gap; for a lever run on one of the two
     rows only, also that row against the other as the base ran it (seed by seed): the method at its lever
     against its rival as it is. A lever is tried on every row, so that whatever helps one method is given to
-    the other too."""
+    the other too. A lever planned in epochs (``--budget``) whose every row has the base row's steps is compared
+    too, at equal steps rather than equal time, and the table says so: how a change that makes a step cheaper
+    (``train.precision=bf16``) is checked for quality before it buys more steps."""
     if len(records) < 2:
         raise ValueError("give the base table first and at least one lever table (each a table.json or its folder)")
     base = records[0]
+    equal_steps = []  # levers planned in epochs (--budget) whose rows all have the base rows' steps
     for r in records[1:]:
+        if r.get("budget") != base.get("budget") and "epochs" in r.get("budget", {}) and _same_steps(base, r):
+            equal_steps.append(r)
         for key in ("table", "recipe", "train_images", "test_images", "budget"):
+            if key == "budget" and r in equal_steps:
+                continue
             if r.get(key) != base.get(key):
                 raise ValueError(
                     f"tables differ in {key}: {base.get(key)!r} and {r.get(key)!r}; a lever changes only key=value "
@@ -185,6 +204,17 @@ def compare_levers(records: list[dict[str, Any]], score: str = "knn", versus: tu
         "deviation (seeds); for a lever, then its change against the base table's same row and seed (mean ± "
         "deviation over the seeds both measured). Base: " + base_name + ".",
         "",
+        *(
+            [
+                "Levers at the base's steps, not its time (planned in epochs, every row with the base row's "
+                "steps: a change that alters a step's cost compared at equal steps): "
+                + "; ".join(changes(r) or "the recipe as it is" for r in equal_steps)
+                + ".",
+                "",
+            ]
+            if equal_steps
+            else []
+        ),
         "| row | base | " + " | ".join(changes(r) for r in records[1:]) + " |",
         "|---|---|" + "---|" * (len(records) - 1),
     ]

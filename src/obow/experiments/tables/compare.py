@@ -163,11 +163,10 @@ def compare_levers(records: list[dict[str, Any]], score: str = "knn", versus: tu
     base = records[0]
     equal_steps = []  # levers planned in epochs (--budget) whose rows all have the base rows' steps
     for r in records[1:]:
-        if r.get("budget") != base.get("budget") and "epochs" in r.get("budget", {}) and _same_steps(base, r):
+        by_steps = r.get("budget") != base.get("budget") and "epochs" in r.get("budget", {}) and _same_steps(base, r)
+        if by_steps:
             equal_steps.append(r)
-        for key in ("table", "recipe", "train_images", "test_images", "budget"):
-            if key == "budget" and r in equal_steps:
-                continue
+        for key in ("table", "recipe", "train_images", "test_images", *(() if by_steps else ("budget",))):
             if r.get(key) != base.get(key):
                 raise ValueError(
                     f"tables differ in {key}: {base.get(key)!r} and {r.get(key)!r}; a lever changes only key=value "

@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tables", help="list the paper's comparison tables, or run one (every row, same budget)")
     p.set_defaults(func=cmd_tables_list)
-    tables = p.add_subparsers(title="table commands", metavar="run | status | curves | budgets | levers")
+    tables = p.add_subparsers(title="table commands", metavar="run | status | curves | budgets | levers | paired")
     r = tables.add_parser("run", help="train and evaluate every row of a table; resumes, skips finished rows")
     r.add_argument("name", help="table1 ... table5 or mocov2 (see `obow tables`)")
     r.add_argument("--data", required=True, help="a folder with train/ and test/ (or val/) class folders")
@@ -206,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--score", default="knn", help="knn (default), linear, fewshot_1 or fewshot_5")
         c.add_argument("--versus", nargs=2, metavar=("A", "B"), help=versus)
         c.set_defaults(func=func)
+    pa = tables.add_parser("paired", help="every row of a table minus one of its rows, seed by seed, with verdicts")
+    pa.add_argument("table", help="a table.json (or the folder holding it)")
+    pa.add_argument("--against", required=True, help="the reference row (label or folder name; random_init)")
+    pa.add_argument(
+        "--scores", nargs="+", default=["knn", "linear", "fewshot_1", "fewshot_5"], help="scores (default all four)"
+    )
+    pa.set_defaults(func=cmd_tables_paired)
     return parser
 
 
@@ -315,6 +322,13 @@ def cmd_tables_levers(args: argparse.Namespace) -> int:
 
     records = _table_records(args.tables)
     print(compare_levers(records, args.score, tuple(args.versus) if args.versus else None), end="")
+    return 0
+
+
+def cmd_tables_paired(args: argparse.Namespace) -> int:
+    from obow.experiments.tables import compare_rows
+
+    print(compare_rows(_table_records([args.table])[0], args.against, tuple(args.scores)), end="")
     return 0
 
 

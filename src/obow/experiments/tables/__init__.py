@@ -80,13 +80,15 @@ budgets side by side: the gain of each row over random init against the budget, 
 rows would cross zero, read as a line in log-minutes. ``obow tables levers BASE LEVER ...`` (:func:`compare_levers`)
 puts one table at one budget beside the same table run with ``key=value`` changes: each row's change against the
 base's same row and seed, and the change in the gap between two rows (a lever planned in epochs with the base
-rows' steps is compared at equal steps).
+rows' steps is compared at equal steps). ``obow tables paired TABLE --against ROW`` (:func:`compare_rows`) puts
+every row of one table against one of its rows, seed by seed, with the verdict rule the results use (ahead or
+behind only when every seed agrees and the mean exceeds the spread) and whether the paper's ordering holds.
 
 The package, in the order a table is made: :mod:`~obow.experiments.tables.catalog` (the tables as data),
 :mod:`~obow.experiments.tables.plan` (``plan.json``, and the folders a plan or results come from),
 :mod:`~obow.experiments.tables.run` (training and evaluating rows and seeds, in one process or several),
 :mod:`~obow.experiments.tables.records` (``table.json`` and ``table.md``), :mod:`~obow.experiments.tables.status`
-(``status`` and ``curves``) and :mod:`~obow.experiments.tables.compare` (``budgets`` and ``levers``).
+(``status`` and ``curves``) and :mod:`~obow.experiments.tables.compare` (``budgets``, ``levers`` and ``paired``).
 """
 
 from obow.experiments.tables.catalog import (
@@ -100,7 +102,13 @@ from obow.experiments.tables.catalog import (
     placeholders,
     select_rows,
 )
-from obow.experiments.tables.compare import compare_budgets, compare_levers
+from obow.experiments.tables.compare import (
+    compare_budgets,
+    compare_levers,
+    compare_rows,
+    paired_verdict,
+    paper_direction,
+)
 from obow.experiments.tables.plan import budget_plan, import_results, share_rows, table_precision
 from obow.experiments.tables.records import aggregate, machine_description, markdown, training_minutes
 from obow.experiments.tables.run import Task, run_in_order, run_in_processes, run_table
@@ -117,6 +125,7 @@ __all__ = [
     "budget_plan",
     "compare_budgets",
     "compare_levers",
+    "compare_rows",
     "curves_text",
     "fill_placeholders",
     "import_results",
@@ -124,6 +133,8 @@ __all__ = [
     "machine_description",
     "markdown",
     "monitor_curves",
+    "paired_verdict",
+    "paper_direction",
     "placeholders",
     "read_table_plan",
     "run_in_order",

@@ -1,5 +1,6 @@
-"""One table against itself: at several budgets (``obow tables budgets``, :func:`compare_budgets`) and with
-changes (``obow tables levers``, :func:`compare_levers`), paired by seed so that the seed spread cancels."""
+"""One table against itself: at several budgets (``obow tables budgets``, :func:`compare_budgets`), with
+changes (``obow tables levers``, :func:`compare_levers`), and row against row (``obow tables paired``,
+:func:`compare_rows`), paired by seed so that the seed spread cancels."""
 
 from __future__ import annotations
 
@@ -255,4 +256,81 @@ def compare_levers(records: list[dict[str, Any]], score: str = "knn", versus: tu
             lines.append(
                 f"| gap, the row a lever lacks as in the base: {a_label} - {b_label} | - | {' | '.join(cells)} |"
             )
+    return "\n".join(lines) + "\n"
+
+
+# the scores a paper row reports, under the names the table's runs use
+_PAPER_NAMES = {"linear": "linear", "fewshot_1": "1-shot", "fewshot_5": "5-shot"}
+_SCORE_NAMES = {"knn": "kNN", "linear": "linear", "fewshot_1": "1-shot", "fewshot_5": "5-shot"}
+
+
+def paired_verdict(values: list[float]) -> str:
+    """What paired differences (one per seed) say: ``ahead`` or ``behind`` *beyond the spread* when every seed's
+    difference has the same sign and the mean's size exceeds the sample deviation; ``level`` otherwise;
+    ``one seed`` (not judged) below two seeds, ``-`` for none."""
+    if not values:
+        return "-"
+    if len(values) < 2:
+        return "one seed"
+    mean, spread = statistics.fmean(values), statistics.stdev(values)
+    same_sign = all(v > 0 for v in values) or all(v < 0 for v in values)
+    if same_sign and abs(mean) > spread:
+        return "ahead" if mean > 0 else "behind"
+    return "level"
+
+
+def paper_direction(verdict: str, paper_difference: float | None) -> str:
+    """The paper's ordering at this budget: ``holds`` when the measured verdict is beyond the spread in the
+    paper's direction, ``reversed`` when beyond it in the other, ``not judged`` when level or one seed; ``-``
+    when the paper has no ordering (no number, or equal numbers)."""
+    if paper_difference is None or paper_difference == 0:
+        return "-"
+    if verdict not in ("ahead", "behind"):
+        return "not judged"
+    return "holds" if (verdict == "ahead") == (paper_difference > 0) else "reversed"
+
+
+def compare_rows(
+    record: dict[str, Any], against: str, scores: tuple[str, ...] = ("knn", "linear", "fewshot_1", "fewshot_5")
+) -> str:
+    """Every row of one table (``table.json``) minus the row ``against`` (label or folder name;
+    ``random_init`` gives each row's gain), paired by seed: per score the mean ± sample deviation of the
+    per-seed differences and :func:`paired_verdict`; then the paper's difference for the same two rows on its
+    linear probe and whether its ordering holds here (:func:`paper_direction`). This is the rule the results'
+    verdicts use (``docs/results/README.md``): with two seeds, a difference counts only when both seeds agree
+    and the mean exceeds the spread."""
+    reference = _find_row(record, against)
+    if reference is None or not reference.get("runs"):
+        names = [row["slug"] for row in [record["random_init"], *record["rows"]] if row.get("runs")]
+        raise ValueError(f"no measured row {against!r} in {record['table']}; choose one of: {', '.join(names)}")
+    known = _scores_measured(record)
+    unknown = [s for s in scores if s not in known]
+    if unknown:
+        raise ValueError(f"score {unknown[0]!r} was not measured; choose from: {', '.join(known)}")
+    paper_of = reference.get("paper", {}).get("linear")
+    head = " | ".join(_SCORE_NAMES.get(s, s) for s in scores)
+    lines = [
+        f"### {record['title']}: each row minus {reference['label']}, paired by seed",
+        "",
+        "Each cell: mean ± sample deviation of (row - reference) over the seeds both measured (their number in "
+        "brackets), then the verdict: ahead / behind when every seed agrees in sign and the mean exceeds the "
+        "deviation (beyond the spread), level otherwise. Paper: the same difference in the paper's linear probe; "
+        "its ordering holds, is reversed, or is not judged (level) in this table's linear probe.",
+        "",
+        f"| row | {head} | paper linear | paper's ordering |",
+        "|---|" + "---|" * (len(scores) + 2),
+    ]
+    for row in record["rows"]:
+        if row is reference or not row.get("runs"):
+            continue
+        cells, verdicts = [], {}
+        for score in scores:
+            values = _paired(_by_seed(row, score), _by_seed(reference, score))
+            verdicts[score] = paired_verdict(values)
+            cells.append("-" if not values else f"{_signed_cell(values)} {verdicts[score]}")
+        paper_row = row.get("paper", {}).get("linear")
+        paper_difference = None if paper_row is None or paper_of is None else paper_row - paper_of
+        paper_cell = "-" if paper_difference is None else f"{paper_difference:+.2f}"
+        ordering = paper_direction(verdicts.get("linear", "-"), paper_difference) if "linear" in scores else "-"
+        lines.append(f"| {row['label']} | {' | '.join(cells)} | {paper_cell} | {ordering} |")
     return "\n".join(lines) + "\n"

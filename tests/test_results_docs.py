@@ -40,3 +40,38 @@ def test_committed_table_is_its_json_and_is_in_the_record(path):
 
 def test_the_readme_links_the_full_record():
     assert "docs/results/README.md" in (ROOT / "README.md").read_text()
+
+
+def _sync_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("results_sync", ROOT / "docs" / "results" / "sync.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_table_has_its_block_and_every_block_is_its_table_md():
+    """Each committed table is shown whole in the full record (a ``<!-- table NAME -->`` block equal to its
+    table.md, heading one level down), the headline tables in the README too: ``python docs/results/sync.py``
+    rewrites stale blocks."""
+    sync = _sync_module()
+    full = (ROOT / "docs" / "results" / "README.md").read_text()
+    blocks = {m["name"] for m in sync.BLOCK.finditer(full)}
+    assert blocks == {p.parent.name for p in RESULTS}
+    readme_blocks = {m["name"] for m in sync.BLOCK.finditer((ROOT / "README.md").read_text())}
+    assert readme_blocks == set(HEADLINE)
+    for doc in sync.DOCS:
+        assert sync.synced(doc.read_text())[1] == [], f"{doc.name}: stale blocks; run python docs/results/sync.py"
+
+
+def test_sync_replaces_a_stale_block_and_leaves_the_rest():
+    sync = _sync_module()
+    name = RESULTS[0].parent.name
+    stale = f"before\n<!-- table {name} -->\n#### old text\n<!-- /table {name} -->\nafter\n"
+    new, changed = sync.synced(stale)
+    assert changed == [name]
+    assert new == f"before\n<!-- table {name} -->\n{sync.block_text(name)}<!-- /table {name} -->\nafter\n"
+    assert sync.block_text(name).startswith("#### ") and sync.synced(new)[1] == []
+    with pytest.raises(FileNotFoundError, match="no-such-table"):
+        sync.synced("<!-- table no-such-table -->\nx\n<!-- /table no-such-table -->")

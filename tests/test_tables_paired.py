@@ -99,5 +99,6 @@ def test_paired_reads_a_committed_table_as_its_record_states():
     """Table 2 as committed: alpha 0 minus the default row, the numbers its README gives (kNN -0.07 ± 0.18)."""
     record = json.loads((RESULTS / "cifar10-table2" / "table.json").read_text())
     text = compare_rows(record, "alpha_0_99_1_cosine_lr_x1")
+    assert compare_rows(record, "1") == text  # the row's number in `obow tables table2`
     line = next(line for line in text.splitlines() if line.startswith("| alpha 0.0, lr x1 |"))
     assert "| -0.07 ± 0.18 (2) level |" in line and line.endswith("| -28.39 | reversed |")

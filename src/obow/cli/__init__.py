@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         c.set_defaults(func=func)
     pa = tables.add_parser("paired", help="every row of a table minus one of its rows, seed by seed, with verdicts")
     pa.add_argument("table", help="a table.json (or the folder holding it)")
-    pa.add_argument("--against", required=True, help="the reference row (label or folder name; random_init)")
+    pa.add_argument("--against", required=True, help="the reference row (number, label or folder name; random_init)")
     pa.add_argument(
         "--scores", nargs="+", default=["knn", "linear", "fewshot_1", "fewshot_5"], help="scores (default all four)"
     )

@@ -293,12 +293,17 @@ def paper_direction(verdict: str, paper_difference: float | None) -> str:
 def compare_rows(
     record: dict[str, Any], against: str, scores: tuple[str, ...] = ("knn", "linear", "fewshot_1", "fewshot_5")
 ) -> str:
-    """Every row of one table (``table.json``) minus the row ``against`` (label or folder name;
-    ``random_init`` gives each row's gain), paired by seed: per score the mean ± sample deviation of the
-    per-seed differences and :func:`paired_verdict`; then the paper's difference for the same two rows on its
-    linear probe and whether its ordering holds here (:func:`paper_direction`). This is the rule the results'
-    verdicts use (``docs/results/README.md``): with two seeds, a difference counts only when both seeds agree
-    and the mean exceeds the spread."""
+    """Every row of one table (``table.json``) minus the row ``against`` (label, folder name or the row's number
+    in ``obow tables``; ``random_init`` gives each row's gain), paired by seed: per score the mean ± sample
+    deviation of the per-seed differences and :func:`paired_verdict`; then the paper's difference for the same
+    two rows on its linear probe and whether its ordering holds here (:func:`paper_direction`). This is the rule
+    the results' verdicts use (``docs/results/README.md``): with two seeds, a difference counts only when both
+    seeds agree and the mean exceeds the spread."""
+    from obow.experiments.tables.catalog import TABLES
+
+    rows = TABLES[record["table"]].rows if record.get("table") in TABLES else ()
+    if against.isdigit() and 1 <= int(against) <= len(rows):
+        against = rows[int(against) - 1].slug
     reference = _find_row(record, against)
     if reference is None or not reference.get("runs"):
         names = [row["slug"] for row in [record["random_init"], *record["rows"]] if row.get("runs")]

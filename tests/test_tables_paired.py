@@ -37,7 +37,10 @@ def test_paper_direction_compares_the_measured_verdict_with_the_papers_sign():
     assert paper_direction("level", 3.0) == "not judged"
     assert paper_direction("one seed", 3.0) == "not judged"
     assert paper_direction("ahead", None) == "-"
-    assert paper_direction("ahead", 0.0) == "-"
+    # the paper's rows within half a point (one run each): it claims no ordering, whatever is measured
+    assert paper_direction("behind", -0.10) == "paper level"  # Table 2: alpha 0.999 against the cosine
+    assert paper_direction("level", 0.39) == "paper level" and paper_direction("ahead", 0.0) == "paper level"
+    assert paper_direction("ahead", 0.5) == "holds"
 
 
 def _record() -> dict:

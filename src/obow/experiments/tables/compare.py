@@ -279,12 +279,19 @@ def paired_verdict(values: list[float]) -> str:
     return "level"
 
 
+#: paper differences (linear points) below this are read as level in the paper: it reports one run per row
+PAPER_LEVEL = 0.5
+
+
 def paper_direction(verdict: str, paper_difference: float | None) -> str:
     """The paper's ordering at this budget: ``holds`` when the measured verdict is beyond the spread in the
-    paper's direction, ``reversed`` when beyond it in the other, ``not judged`` when level or one seed; ``-``
-    when the paper has no ordering (no number, or equal numbers)."""
-    if paper_difference is None or paper_difference == 0:
+    paper's direction, ``reversed`` when beyond it in the other, ``not judged`` when level or one seed;
+    ``paper level`` when the paper's two rows differ by less than :data:`PAPER_LEVEL` (one run each: no
+    ordering claimed), ``-`` when the paper has no number for one of them."""
+    if paper_difference is None:
         return "-"
+    if abs(paper_difference) < PAPER_LEVEL:
+        return "paper level"
     if verdict not in ("ahead", "behind"):
         return "not judged"
     return "holds" if (verdict == "ahead") == (paper_difference > 0) else "reversed"
@@ -320,7 +327,8 @@ def compare_rows(
         "Each cell: mean ± sample deviation of (row - reference) over the seeds both measured (their number in "
         "brackets), then the verdict: ahead / behind when every seed agrees in sign and the mean exceeds the "
         "deviation (beyond the spread), level otherwise. Paper: the same difference in the paper's linear probe; "
-        "its ordering holds, is reversed, or is not judged (level) in this table's linear probe.",
+        "its ordering holds, is reversed, or is not judged (level) in this table's linear probe; paper level: "
+        f"the paper's rows differ by less than {PAPER_LEVEL:g} points (one run each), so it orders nothing.",
         "",
         f"| row | {head} | paper linear | paper's ordering |",
         "|---|" + "---|" * (len(scores) + 2),

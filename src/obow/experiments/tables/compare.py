@@ -7,6 +7,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from obow.experiments.tables.catalog import TABLES, select_rows
+
 
 def _scores_measured(record: dict[str, Any]) -> list[str]:
     """The numeric scores a table's runs hold (knn, linear, fewshot_1, ...), confidence intervals and k aside."""
@@ -259,8 +261,6 @@ def compare_levers(records: list[dict[str, Any]], score: str = "knn", versus: tu
     return "\n".join(lines) + "\n"
 
 
-# the scores a paper row reports, under the names the table's runs use
-_PAPER_NAMES = {"linear": "linear", "fewshot_1": "1-shot", "fewshot_5": "5-shot"}
 _SCORE_NAMES = {"knn": "kNN", "linear": "linear", "fewshot_1": "1-shot", "fewshot_5": "5-shot"}
 
 
@@ -306,19 +306,14 @@ def compare_rows(
     two rows on its linear probe and whether its ordering holds here (:func:`paper_direction`). This is the rule
     the results' verdicts use (``docs/results/README.md``): with two seeds, a difference counts only when both
     seeds agree and the mean exceeds the spread."""
-    from obow.experiments.tables.catalog import TABLES
-
-    rows = TABLES[record["table"]].rows if record.get("table") in TABLES else ()
-    if against.isdigit() and 1 <= int(against) <= len(rows):
-        against = rows[int(against) - 1].slug
+    if against.isdigit() and record.get("table") in TABLES:  # the row's number in `obow tables`
+        against = select_rows(TABLES[record["table"]], [against])[0].slug
     reference = _find_row(record, against)
     if reference is None or not reference.get("runs"):
         names = [row["slug"] for row in [record["random_init"], *record["rows"]] if row.get("runs")]
         raise ValueError(f"no measured row {against!r} in {record['table']}; choose one of: {', '.join(names)}")
-    known = _scores_measured(record)
-    unknown = [s for s in scores if s not in known]
-    if unknown:
-        raise ValueError(f"score {unknown[0]!r} was not measured; choose from: {', '.join(known)}")
+    for score in scores:
+        _check_score(record, score)
     paper_of = reference.get("paper", {}).get("linear")
     head = " | ".join(_SCORE_NAMES.get(s, s) for s in scores)
     lines = [

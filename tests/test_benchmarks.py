@@ -60,6 +60,7 @@ def test_compare_times_the_loop_step_on_a_timm_arch_and_prints_the_bf16_ratio(st
     threads = torch.get_num_threads()
     step_time.main(
         ["--config", str(tiny_recipe), "--precision", "bf16", "--warmup", "0", "--repeats", "2", "--threads", "1"]
+        + ["--device", "cpu"]  # the CPU path even where a GPU is visible
     )
     torch.set_num_threads(threads)
     out = capsys.readouterr().out
@@ -122,3 +123,49 @@ def test_quality_minutes_budget_plans_whole_epochs_and_the_tables_warmup(
         row["steps"] == 16 // saved.data.batch_size
         and row["knn_gain"] == row["pretrained"]["knn"] - row["random_init"]["knn"]
     )
+
+
+GPU_CHECK_PARTS = [
+    "step_time_cifar10_fast",
+    "step_time_r18",
+    "step_time_r50",
+    "pretrain",
+    "torchrun_nccl",
+    "pytest",
+    "pretrain_compile",
+    "demo",
+]
+
+
+def gpu_check(tmp_path: Path, write_images, skip: list[str], deadline: int) -> list[str]:
+    """``benchmarks/gpu_check.sh`` on the CPU (``DEVICE=cpu``, no install): its summary's lines."""
+    import os
+    import subprocess
+
+    write_images(tmp_path / "data" / "train", per_class=40, size=32)  # 80 images: one step of the script's 64
+    write_images(tmp_path / "data" / "test", per_class=4, size=32, seed=1)
+    env = dict(os.environ, OUT=str(tmp_path / "out"), DATA=str(tmp_path / "data"), DEVICE="cpu")
+    env.update(DEADLINE=str(deadline), SKIP=" ".join(["install", *skip]), OMP_NUM_THREADS="1")
+    subprocess.run(["bash", str(BENCHMARKS / "gpu_check.sh")], env=env, check=True, capture_output=True)
+    return (tmp_path / "out" / "summary.txt").read_text().splitlines()
+
+
+def test_gpu_check_runs_its_parts_in_order_skips_what_it_is_told_and_keeps_its_deadline(tmp_path, write_images):
+    lines = gpu_check(tmp_path, write_images, skip=GPU_CHECK_PARTS, deadline=60)
+    assert re.fullmatch(r"env rc=\d+ \d+s", lines[0]) and lines[1] == "install skipped (SKIP)"
+    assert lines[2:-1] == [f"{name} skipped (SKIP)" for name in GPU_CHECK_PARTS]
+    assert re.fullmatch(r"total \d+s", lines[-1])
+
+    lines = gpu_check(tmp_path / "late", write_images, skip=[], deadline=0)  # no time left: nothing runs
+    assert lines[0] == "env skipped (deadline)"
+    assert lines[2:-1] == [f"{name} skipped (deadline)" for name in GPU_CHECK_PARTS]
+
+
+@pytest.mark.slow  # real pretraining and a torchrun launch on the CPU
+def test_gpu_check_dry_run_on_the_cpu_pretrains_evaluates_and_launches_torchrun(tmp_path, write_images):
+    parts = ["pretrain", "torchrun_nccl"]
+    lines = gpu_check(tmp_path, write_images, skip=[p for p in GPU_CHECK_PARTS if p not in parts], deadline=300)
+    ran = {line.split()[0]: line.split()[1] for line in lines if " rc=" in line}
+    assert ran["pretrain"] == "rc=0" and ran["torchrun_nccl"] == "rc=0", (tmp_path / "out" / "all.log").read_text()
+    log = (tmp_path / "out" / "all.log").read_text()
+    assert "top-1" in log and log.count("done: 2 epochs") == 2  # the kNN table, and both runs finished

@@ -30,7 +30,8 @@ def test_v1_checkpoint_resumes_to_the_old_final_state(v1_run):
     from obow.training.loop import pretrain
 
     images, out = v1_run
-    cfg = load_config(V1 / "recipe.yaml", [f"data.path={images}"])
+    # the old run's numbers are CPU numbers: on a GPU (auto) the same steps differ by more than rounding
+    cfg = load_config(V1 / "recipe.yaml", [f"data.path={images}", "train.device=cpu"])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the old run was written (OMP_NUM_THREADS=1): the same reduction order
     try:
@@ -39,13 +40,19 @@ def test_v1_checkpoint_resumes_to_the_old_final_state(v1_run):
         torch.set_num_threads(threads)
     assert result["iteration"] == 6 and result["epochs"] == 2
     expected = json.loads((V1 / "final_state.json").read_text())
-    assert result["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    # Tolerances: on this project's CPUs (torch 2.14) the resumed run lands within 1e-7 (loss) and 6e-7 (sums,
+    # relative to each tensor's abs-sum) of the recorded state; on an Intel Xeon with torch 2.11 the same three
+    # steps drift to 2.7e-5 and 5.4e-3 (different kernels, amplified over three steps on 8-image batches).
+    # A wrong resume is far outside: the RNG state not restored gives 3.5e-2 and 9e-2, SGD momentum lost 7.7e-2
+    # and 0.55 (measured here; the RNG case on the Xeon too).
+    assert result["loss"] == pytest.approx(expected["loss"], rel=1e-3)
     state = load_checkpoint(out / "checkpoint.pt")["model"]
     assert set(state) == set(expected["model_sum_abssum"])  # the state-dict names did not change
     for key, (total, abs_total) in expected["model_sum_abssum"].items():
         value = state[key].double()
-        assert float(value.sum()) == pytest.approx(total, rel=1e-5, abs=1e-6), key
-        assert float(value.abs().sum()) == pytest.approx(abs_total, rel=1e-5, abs=1e-6), key
+        scale = 2e-2 * abs_total + 1e-9
+        assert abs(float(value.sum()) - total) <= scale, key
+        assert abs(float(value.abs().sum()) - abs_total) <= scale, key
 
 
 def test_v1_checkpoint_evaluates_and_exports(tmp_path):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -125,23 +127,12 @@ def test_quality_minutes_budget_plans_whole_epochs_and_the_tables_warmup(
     )
 
 
-GPU_CHECK_PARTS = [
-    "step_time_cifar10_fast",
-    "step_time_r18",
-    "step_time_r50",
-    "pretrain",
-    "torchrun_nccl",
-    "pytest",
-    "pretrain_compile",
-    "demo",
-]
+# the script's parts after "env", in its order (read from the script: one list to keep)
+GPU_CHECK_PARTS = re.findall(r"^part (\w+)", (BENCHMARKS / "gpu_check.sh").read_text(), flags=re.M)[1:]
 
 
 def gpu_check(tmp_path: Path, write_images, skip: list[str], deadline: int) -> list[str]:
     """``benchmarks/gpu_check.sh`` on the CPU (``DEVICE=cpu``, no install): its summary's lines."""
-    import os
-    import subprocess
-
     write_images(tmp_path / "data" / "train", per_class=40, size=32)  # 80 images: one step of the script's 64
     write_images(tmp_path / "data" / "test", per_class=4, size=32, seed=1)
     env = dict(os.environ, OUT=str(tmp_path / "out"), DATA=str(tmp_path / "data"), DEVICE="cpu")
@@ -151,6 +142,7 @@ def gpu_check(tmp_path: Path, write_images, skip: list[str], deadline: int) -> l
 
 
 def test_gpu_check_runs_its_parts_in_order_skips_what_it_is_told_and_keeps_its_deadline(tmp_path, write_images):
+    assert {"step_time_r50", "pretrain", "torchrun_nccl", "pytest", "demo"} <= set(GPU_CHECK_PARTS)  # parsed
     lines = gpu_check(tmp_path, write_images, skip=GPU_CHECK_PARTS, deadline=60)
     assert re.fullmatch(r"env rc=\d+ \d+s", lines[0]) and lines[1] == "install skipped (SKIP)"
     assert lines[2:-1] == [f"{name} skipped (SKIP)" for name in GPU_CHECK_PARTS]

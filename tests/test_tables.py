@@ -25,7 +25,7 @@ from obow.experiments.tables import (
     training_minutes,
 )
 from obow.experiments.tables.plan import table_precision
-from obow.experiments.tables.records import _shared_text
+from obow.experiments.tables.records import _shared_text, machine_description
 from obow.training import loop
 
 TINY = """
@@ -409,6 +409,18 @@ def test_results_from_continues_a_published_table_on_another_machine_without_ret
     for name in ("table.json", "plan.json"):
         (published / name).write_text((out / "first" / "table3" / name).read_text())
     source = json.loads((published / "table.json").read_text())
+    # each run records where it trained; say the row's seed was trained on a GPU machine
+    run = source["rows"][0]["runs"][0]
+    assert (
+        (run["device"], run["machine"])
+        == ("cpu", machine_description())
+        == (
+            source["random_init"]["runs"][0]["device"],
+            source["random_init"]["runs"][0]["machine"],
+        )
+    )
+    run.update(device="cuda", machine="Some Xeon, 16 cores, NVIDIA H100 80GB HBM3; torch 2.11.0")
+    (published / "table.json").write_text(json.dumps(source))
 
     printed = obow_cli(*args, "--out", out / "next", "--rows", "4", "--episodes", "5", "--results-from", published).out
     folder = out / "next" / "table3"
@@ -419,6 +431,12 @@ def test_results_from_continues_a_published_table_on_another_machine_without_ret
     assert record["random_init"]["mean"] == source["random_init"]["mean"]
     assert record["rows"][0]["minutes"] == source["rows"][0]["minutes"]  # the first machine's training time
     assert record["continued_from"] == [str(published / "table.json")] and "Continued from" in printed
+    label = record["rows"][0]["label"]  # only the run from another machine is named, with its device
+    assert printed.count("Trained and evaluated on") == 1
+    assert (
+        f"Trained and evaluated on Some Xeon, 16 cores, NVIDIA H100 80GB HBM3; torch 2.11.0 (cuda): {label} seed 0."
+        in printed
+    )
     plan = json.loads((folder / "plan.json").read_text())
     assert plan["stages"] == source["plan"]["stages"] and plan["plan_from"] == str(published / "plan.json")
 

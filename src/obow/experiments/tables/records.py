@@ -149,6 +149,20 @@ def _precision_text(plan: dict[str, Any]) -> str:
     return "" if precision == "fp32" else f" Every run trained with `train.precision={precision}` (autocast)."
 
 
+def _elsewhere_text(record: dict[str, Any]) -> str:
+    """A sentence naming the runs whose ``result.json`` records a machine other than the table's (a table
+    finished on several machines; runs written before results recorded their machine are not listed)."""
+    here = record.get("machine")
+    others: dict[str, list[str]] = {}
+    for row in (record["random_init"], *record["rows"]):
+        for run in row["runs"]:
+            machine = run.get("machine")
+            if machine and machine != here:
+                device = f" ({run['device']})" if run.get("device") else ""
+                others.setdefault(f"{machine}{device}", []).append(f"{row['label']} seed {run['seed']}")
+    return "".join(f" Trained and evaluated on {m}: {'; '.join(runs)}." for m, runs in others.items())
+
+
 def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
     """The table: the paper's numbers beside this run's (mean ± standard deviation over the seeds), then kNN,
     its gain over the random init of the same network, the effective rank and the budget of each row."""
@@ -173,7 +187,8 @@ def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
             if record.get("continued_from")
             else ""
         )
-        + _shared_text(record.get("plan", {})),
+        + _shared_text(record.get("plan", {}))
+        + _elsewhere_text(record),
         "",
         f"| row | {paper_cols} | {ours_cols} | kNN | kNN gain | eff. rank | seeds | steps | s/step | train min |",
         "|---|" + "---|" * (2 * len(columns) + 7),

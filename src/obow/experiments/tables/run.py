@@ -247,7 +247,14 @@ def _run_task(
         return
     done = _run_row(task.row, result.parent, recipe, [*common, f"train.seed={task.seed}"], values, plan)
     done["scores"] = _scores(done.pop("checkpoint"), sets, device, protocol)
-    write_json(result, {**done, "seed": task.seed})
+    write_json(result, {**done, "seed": task.seed, **_provenance(device)})
+
+
+def _provenance(device: str) -> dict[str, str]:
+    """Where a run trained and was evaluated: a table may be finished on several machines (``--results-from``),
+    so each ``result.json`` names its own, and ``table.md`` lists the runs from a machine other than the
+    table's."""
+    return {"device": device, "machine": machine_description()}
 
 
 def run_in_order(tasks: list[Task], body: Callable[[Task], Any], finished: Callable[[Task], Any]) -> None:
@@ -377,7 +384,7 @@ def _random_init_result(run: Path, base: Any, seed: int, sets: tuple, device: st
         random_init=True, arch=base.model.arch, stem=base.model.stem, seed=seed, arch_options=base.model.arch_options
     )
     scores = _scores(net, sets, device, protocol)
-    write_json(run / "result.json", {"seed": seed, "scores": scores, "steps": 0, "minutes": 0.0})
+    write_json(run / "result.json", {"seed": seed, "scores": scores, "steps": 0, "minutes": 0.0, **_provenance(device)})
 
 
 def _scores(network: Any, sets: tuple, device: str, protocol: dict) -> dict[str, Any]:

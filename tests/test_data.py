@@ -495,3 +495,60 @@ def test_a_process_started_by_multiprocessing_ends_with_its_loader_open(tmp_path
         process.join()
     assert started.read_text() == "worker started"
     assert not alive and process.exitcode == 3
+
+
+_SIGNAL_WHILE_WORKERS_START = """
+import os, signal, sys, threading, time, multiprocessing
+import torch
+from obow.data.folders import build_loader
+
+
+class Padded(torch.utils.data.Dataset):
+    def __init__(self):
+        self.pad = b"x" * 300_000  # more than a pipe holds: starting a worker writes it to the worker's pipe
+
+    def __setstate__(self, state):  # in the spawned worker, before its init function
+        self.__dict__.update(state)
+        time.sleep(1.0)
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return {"index": index, "skipped": []}
+
+
+if __name__ == "__main__":
+    multiprocessing.set_start_method("spawn")  # as inside `obow tables run --jobs`' processes
+    received = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    # a signal to the whole group (Ctrl-C, timeout, a scheduler) while the workers import torch
+    threading.Timer(0.3, os.killpg, (os.getpgid(0), signal.SIGTERM)).start()
+    batches = iter(build_loader(Padded(), range(8), 4, num_workers=2))
+    indices = sorted(int(i) for batch in batches for i in batch["index"])
+    print(indices, received == [signal.SIGTERM])
+"""
+
+
+@pytest.mark.slow
+def test_a_signal_to_the_group_while_spawned_workers_start_kills_no_worker(tmp_path):
+    """A spawned worker takes seconds to reach its init function (which makes it ignore SIGINT and SIGTERM); a
+    signal to the process group in that window used to kill it, and the training process then blocked for good
+    writing the dataset to the dead worker's pipe (seen with `obow tables run --jobs 2` under `timeout`). The
+    workers start with both signals blocked: they survive, every sample arrives, and the main process still
+    receives its signal once."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "signal_while_workers_start.py"
+    script.write_text(_SIGNAL_WHILE_WORKERS_START)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,  # its own process group, which the script signals
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "[0, 1, 2, 3, 4, 5, 6, 7] True"

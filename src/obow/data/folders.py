@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing
+import multiprocessing.resource_tracker
 import multiprocessing.util
 import operator
 import os
@@ -410,7 +411,7 @@ def build_loader(
     """
     if num_workers > 0:
         end_workers_at_exit()
-    return DataLoader(
+    return _WorkerSafeLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
@@ -427,14 +428,43 @@ def build_loader(
     )
 
 
+#: The signals a data worker leaves to the main process (:func:`ignore_interrupt`).
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _WorkerSafeLoader(DataLoader):
+    """A ``DataLoader`` whose workers start with SIGINT and SIGTERM blocked, until :func:`ignore_interrupt`
+    ignores them: a worker is otherwise killed by a signal to the process group (Ctrl-C, ``timeout``, a
+    scheduler) in the window between its start and its init function, which lasts seconds for a spawned worker
+    (it imports torch and unpickles the dataset first; workers are spawned inside ``obow tables run --jobs``'
+    processes). A killed worker fails the run without a checkpoint, or leaves the training process blocked for
+    good writing the dataset to the dead worker's pipe. The training process keeps its own handlers: the mask is
+    set only while the workers start (they inherit it, through ``exec`` too) and restored at once, and a signal
+    that came meanwhile is delivered then."""
+
+    def _get_iterator(self):  # DataLoader's own hook, which starts the workers
+        if self.num_workers == 0 or not hasattr(signal, "pthread_sigmask"):
+            return super()._get_iterator()
+        if multiprocessing.get_start_method() != "fork":
+            # started now, not inside the first worker's start: starting it unblocks SIGINT and SIGTERM
+            multiprocessing.resource_tracker.ensure_running()
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            return super()._get_iterator()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def ignore_interrupt(worker_id: int) -> None:
     """Ctrl-C reaches every process of the terminal's group, and SIGTERM every process of a job that a scheduler
     cancels or a user stops with ``pkill -f`` / ``docker stop``: the workers leave both to the main process,
     which finishes the step under way and writes a checkpoint (a worker ended by the signal would fail the next
     batch, and the run would stop without that checkpoint). A worker still ends when the main process is gone
     (PyTorch's watchdog), when the loader shuts it down, or at exit (:func:`end_workers_at_exit`)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # started blocked (_WorkerSafeLoader): a pending signal is dropped
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 
 _ending_workers_at_exit: int | None = None  # the process that registered the exit hook

@@ -267,6 +267,11 @@ def test_a_signal_during_the_last_epochs_end_stops_the_command_after_a_complete_
         pretrain(cfg, out, monitor=SignalAtTheLastEpoch)
     assert err.value.exit_code == 128 + signal.SIGTERM
     assert "Interrupted as the run ended: it is complete (checkpoint written at iteration 4)" in caplog.text
+    # the message says what is finished first: the monitor (minutes of kNN on a CPU), not a step
+    assert (
+        "SIGTERM: finishing the end-of-epoch monitor under way (the epoch's steps are done), then writing a "
+        "checkpoint" in caplog.text
+    )
     ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
     assert ckpt["epoch"] == 2 and ckpt["iteration"] == 4
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

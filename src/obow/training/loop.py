@@ -246,7 +246,8 @@ def train_epochs(run: Run, state: RunState, epoch_monitor: Monitor | None) -> No
     while state.epoch < run.cfg.optim.epochs:
         record = train_one_epoch(run, state)
         if epoch_monitor is not None and epoch_monitor.due(state.epoch + 1):
-            record.update(epoch_monitor(run.model.student))
+            with run.boundary.signals.finishing("the end-of-epoch monitor under way (the epoch's steps are done)"):
+                record.update(epoch_monitor(run.model.student))
         if D.is_distributed():
             dist.barrier()  # the other processes wait for the main one's monitor
         state.end_epoch(record)

@@ -347,11 +347,25 @@ SAME_REQUEST_SECONDS = 1.0
 
 class SignalFlag:
     """The first SIGINT / SIGTERM received by this process (:attr:`received`: its name, or ``None``) and when
-    (:attr:`at`, ``time.monotonic()``)."""
+    (:attr:`at`, ``time.monotonic()``); :attr:`doing` names what the loop finishes before its checkpoint (the
+    step under way, or the end-of-epoch monitor, which can take minutes on a CPU), for the message a signal
+    prints."""
+
+    STEP = "the step under way"
 
     def __init__(self) -> None:
         self.received: str | None = None
         self.at = 0.0
+        self.doing = self.STEP
+
+    @contextlib.contextmanager
+    def finishing(self, what: str) -> Iterator[None]:
+        """While the block runs, a signal's message says it finishes ``what`` first."""
+        self.doing = what
+        try:
+            yield
+        finally:
+            self.doing = self.STEP
 
 
 @contextlib.contextmanager
@@ -368,7 +382,7 @@ def handle_signals(announce: bool = True) -> Iterator[SignalFlag]:
         if flag.received is None:
             flag.received, flag.at = name, time.monotonic()
             if announce:
-                log.warning("%s: finishing the step under way, then writing a checkpoint (again to abort)", name)
+                log.warning("%s: finishing %s, then writing a checkpoint (again to abort)", name, flag.doing)
         elif time.monotonic() - flag.at > SAME_REQUEST_SECONDS:
             raise KeyboardInterrupt(name)
 

@@ -445,7 +445,9 @@ class _WorkerSafeLoader(DataLoader):
     def _get_iterator(self):  # DataLoader's own hook, which starts the workers
         if self.num_workers == 0 or not hasattr(signal, "pthread_sigmask"):
             return super()._get_iterator()
-        if multiprocessing.get_start_method() != "fork":
+        # the start method the workers will use, without fixing it (the first listed is the default)
+        method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+        if method != "fork":
             # started now, not inside the first worker's start: starting it unblocks SIGINT and SIGTERM
             multiprocessing.resource_tracker.ensure_running()
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from obow.bow import ASSIGNMENTS, HEADS, POOLINGS, QUEUE_SAMPLINGS, VOCABULARIES
 from obow.checks import check_choice, check_positive, check_unit_interval
-from obow.data import LABEL_MODES
+from obow.data import LABEL_MODES, PIPELINES
 from obow.methods import LOSS_WEIGHTINGS, METHODS, MOCO_AUGMENTATIONS, MOMENTUM_SCHEDULES
 from obow.training import DEVICES, PRECISIONS
 
@@ -239,7 +239,15 @@ class BoWNetConfig:
 
 @dataclass
 class DataConfig:
-    """Where the images are and how they are batched. ``batch_size`` is global (divided among processes)."""
+    """Where the images are and how they are batched. ``batch_size`` is global (divided among processes).
+
+    ``pipeline`` says who makes the views: ``workers`` (``num_workers`` loader processes, one image at a time, PIL
+    and torchvision: :mod:`obow.data.transforms`), ``device`` (the images decoded once into a cache, then every
+    view of a batch made at once on the training device: :mod:`obow.data.batched_views`), or ``auto``: ``device``
+    when training on a GPU, ``workers`` on a CPU (the faster on each, ``benchmarks/throughput.py``).
+    ``cache_dir`` (default ``~/.cache/obow``) and ``cache_size`` (the cached square's side; default: the images'
+    own when all are squares of one size) configure the device pipeline's cache (:mod:`obow.data.cache`).
+    """
 
     path: str | None = None
     val_path: str | None = None
@@ -248,9 +256,15 @@ class DataConfig:
     batch_size: int = 256
     num_workers: int = 8
     pin_memory: bool = True
+    pipeline: str = "auto"
+    cache_dir: str | None = None
+    cache_size: int | None = None
 
     def __post_init__(self) -> None:
         check_choice("data.labels", self.labels, LABEL_MODES)
+        check_choice("data.pipeline", self.pipeline, PIPELINES)
+        if self.cache_size is not None:
+            _check_int("data.cache_size", self.cache_size, minimum=1)
         _check_int("data.batch_size", self.batch_size, minimum=1)
         _check_int("data.num_workers", self.num_workers, minimum=0)
         if self.images_per_class is not None:

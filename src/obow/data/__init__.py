@@ -7,3 +7,5 @@ The allowed values of the data settings are declared here, without importing PyT
 
 #: How labels are read from a folder: class sub-folders when there are any (auto), always, or never.
 LABEL_MODES = ("auto", "folders", "none")
+#: Who makes the training views: loader worker processes, or batched kernels on the training device.
+PIPELINES = ("auto", "workers", "device")

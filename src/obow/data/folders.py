@@ -400,6 +400,18 @@ class EpochSampler(Sampler[tuple[int, int]]):
     def __len__(self) -> int:
         return sum(len(self._local_positions(b)) for b in range(self.start_batch, self.batches_per_epoch))
 
+    def batches(self) -> Iterator[tuple[int, list[int], int, int]]:
+        """This rank's batches of the epoch from ``start_batch``, whole: ``(global batch number, image indices,
+        this rank's first position within the global batch, the global batch's size)`` (for a pipeline that
+        makes a batch's views at once, :class:`obow.data.device_loader.DeviceLoader`)."""
+        order = self._order()
+        for batch in range(self.start_batch, self.batches_per_epoch):
+            positions = self._local_positions(batch)
+            start = batch * self.global_batch_size
+            if len(positions):
+                size = min(self.global_batch_size, self.num_samples - start)
+                yield batch, [order[p] for p in positions], positions.start - start, size
+
 
 def build_loader(
     dataset: Dataset, sampler: Sampler, batch_size: int, num_workers: int = 0, pin_memory: bool = False

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from obow.config import Config
+    from obow.config import Config, ViewsConfig
+    from obow.data.batched_views import BatchedViews
     from obow.methods.base import Method
 
 #: The registry: ``model.method`` values (each built by :func:`build_method`).
@@ -68,3 +69,16 @@ def build_views(cfg: Config) -> Callable[[Any], dict]:
 
         return MoCoV2Views(cfg.views, cfg.moco.crop_scale)
     return OBoWViews(cfg.views)
+
+
+def views_side(views: ViewsConfig) -> int:
+    """The largest image the views are made from before cropping (the device pipeline's default cache size)."""
+    return max(views.teacher_resize, views.patch_grid_size, views.teacher_size)
+
+
+def build_batched_views(cfg: Config, side: int) -> BatchedViews:
+    """:func:`build_views`' views for whole batches of decoded ``side`` px squares (``data.pipeline: device``)."""
+    from obow.data.batched_views import BatchedViews
+
+    mocov2 = cfg.model.method == "mocov2" and cfg.moco.augmentation == "mocov2"
+    return BatchedViews(cfg.views, side, mocov2=mocov2, moco_crop_scale=cfg.moco.crop_scale)

@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -35,8 +35,10 @@ from torch import nn
 
 from obow import distributed as D
 from obow.config import Config
+from obow.data.cache import build_cache
+from obow.data.device_loader import DeviceLoader
 from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loader, scan_images
-from obow.methods import build_method, build_views
+from obow.methods import build_batched_views, build_method, build_views, views_side
 from obow.methods.base import Method
 from obow.schedules import learning_rate
 from obow.training import PRECISIONS
@@ -119,7 +121,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     sampler: EpochSampler
-    loader: torch.utils.data.DataLoader
+    loader: Iterable[dict[str, Any]]  # a DataLoader, or a DeviceLoader (data.pipeline: device)
     iters_per_epoch: int
     logger: RunLogger
     boundary: StepBoundary
@@ -352,15 +354,28 @@ def log_interval(cfg: Config, total_iterations: int) -> int:
     return max(1, min(cfg.train.log_every, total_iterations // MIN_LOGGED_STEPS))
 
 
-def build_data(cfg: Config, device: torch.device) -> tuple[ImageList, EpochSampler, torch.utils.data.DataLoader]:
-    """The training images and their loader: every process sees its share of each global batch, augmentations
-    seeded per image (so a resumed epoch sees the same views)."""
+def build_data(
+    cfg: Config, device: torch.device, images: ImageList | None = None
+) -> tuple[ImageList, EpochSampler, Iterable[dict[str, Any]]]:
+    """The training images (``images``, else those of ``data.path``) and their loader: every process sees its
+    share of each global batch, augmentations seeded per image (workers) or per global batch (device pipeline),
+    so a resumed epoch sees the same views."""
     world = D.world_size()
     if cfg.data.batch_size % world != 0:
         raise RunError(f"data.batch_size ({cfg.data.batch_size}) must be divisible by the {world} processes")
-    images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
+    if images is None:
+        images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
     local_batch = cfg.data.batch_size // world
+    pipeline = data_pipeline(cfg, device)
+    if pipeline == "device":
+        cache = build_cache(images, views_side(cfg.views), cfg.data.cache_size, cfg.data.cache_dir)
+        images = cache.images
     sampler = EpochSampler(len(images), local_batch, seed=cfg.train.seed, rank=D.rank(), world_size=world)
+    if pipeline == "device":
+        loader = DeviceLoader(cache, sampler, build_batched_views(cfg, cache.side), device, cfg.train.seed)
+        held = "; held on the GPU" if loader.where == "on the GPU" else ""
+        log_main("Data: views made on the %s from %s%s", device.type, cache.describe(), held)
+        return images, sampler, loader
     loader = build_loader(
         ImageDataset(images, build_views(cfg)),
         sampler,
@@ -368,7 +383,15 @@ def build_data(cfg: Config, device: torch.device) -> tuple[ImageList, EpochSampl
         num_workers=cfg.data.num_workers,
         pin_memory=cfg.data.pin_memory and device.type == "cuda",
     )
+    log_main("Data: views made by %d loader worker(s)", cfg.data.num_workers)
     return images, sampler, loader
+
+
+def data_pipeline(cfg: Config, device: torch.device) -> str:
+    """``data.pipeline`` for ``device``: ``auto`` makes the views on a GPU and in loader workers on a CPU."""
+    if cfg.data.pipeline != "auto":
+        return cfg.data.pipeline
+    return "device" if device.type == "cuda" else "workers"
 
 
 def build_model(cfg: Config, total_iterations: int, device: torch.device, resuming: bool = False) -> Method:

@@ -42,6 +42,7 @@ RESUMABLE_CHANGES = {
     "description",
     "data.num_workers",
     "data.pin_memory",
+    "data.cache_dir",
     "data.val_path",
     "train.device",
     "train.compile",

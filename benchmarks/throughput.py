@@ -1,0 +1,182 @@
+"""End-to-end training throughput of a recipe for each data pipeline, with the loader alone and the step alone.
+
+For every pipeline named (``--pipelines workers device``: ``data.pipeline``), the run is built with the training
+loop's own builders (:func:`obow.training.loop.build_data`, ``build_model``, ``build_optimizer``) on the images of
+``--data`` (repeated until there are at least ``--min-images``, so that small folders do not end an epoch every
+few batches), then three things are timed, each for ``--steps`` batches, in ``--rounds`` alternating rounds (the
+pipelines in a rotated order each round):
+
+* **end to end**: the loader's next batch, then :func:`~obow.training.loop.train_step` on it (what ``obow
+  pretrain`` does);
+* **loader alone**: the loader's batches only (worker processes decoding and augmenting; or the device pipeline
+  gathering and rendering on the device);
+* **step alone**: ``train_step`` again and again on one batch already on the device.
+
+Before each timing of a worker loader, the batches its workers had prefetched meanwhile are taken untimed, so
+that a buffer filled during another measurement is not counted. Images per second count source images (each
+makes the recipe's teacher view, crops and patches). Prints a Markdown table; ``--json`` writes the numbers.
+
+    python benchmarks/throughput.py --config cifar10_resnet18 --data /tmp/c10/train --device cuda --workers 12
+    python benchmarks/throughput.py --config cifar10_fast --data /tmp/c10/train data.batch_size=512 \\
+        train.precision=bf16 train.channels_last=true
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from obow.config import Config, load_config
+from obow.data.folders import scan_images
+from obow.training.loop import Run, build_data, build_model, build_optimizer, prepare_step_model, train_step
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def endless(loader: Any, sampler: Any) -> Iterator[dict[str, Any]]:
+    """The loader's batches epoch after epoch."""
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+@dataclasses.dataclass
+class Setup:
+    name: str
+    cfg: Config
+    run: Run
+    batches: Iterator[dict[str, Any]]
+    prefetched: int  # batches a worker loader holds ready (taken untimed before each timing)
+    fixed: dict[str, torch.Tensor] | None = None
+
+
+def build(name: str, cfg: Config, device: torch.device, min_images: int) -> Setup:
+    images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
+    repeats = max(1, -(-min_images // len(images)))
+    images = dataclasses.replace(
+        images, paths=images.paths * repeats, labels=None if images.labels is None else images.labels * repeats
+    )
+    images, sampler, loader = build_data(cfg, device, images)
+    model = build_model(cfg, total_iterations=100_000, device=device).train()
+    optimizer = build_optimizer(model, cfg)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
+    run = Run(cfg, Path("."), device, model, prepare_step_model(model, cfg, device), optimizer, scaler, sampler,
+              loader, len(images) // cfg.data.batch_size, None, None)  # fmt: skip
+    workers = cfg.data.num_workers if name == "workers" else 0
+    return Setup(name, cfg, run, endless(loader, sampler), prefetched=2 * workers)
+
+
+def step(setup: Setup, batch: dict[str, Any]) -> None:
+    train_step(setup.run, batch["image"], setup.cfg.optim.lr)
+
+
+def timed(setup: Setup, what: str, steps: int, device: torch.device) -> float:
+    """Seconds for ``steps`` batches of ``what`` (``end_to_end``, ``loader`` or ``step``)."""
+    if what != "step":
+        for _ in range(setup.prefetched):
+            next(setup.batches)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        if what == "step":
+            step(setup, setup.fixed)
+        elif what == "loader":
+            next(setup.batches)
+        else:
+            step(setup, next(setup.batches))
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+MEASURES = ("end_to_end", "loader", "step")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--data", required=True, help="a folder of training images")
+    parser.add_argument("--pipelines", nargs="+", default=["workers", "device"], choices=["workers", "device"])
+    parser.add_argument("--workers", type=int, default=8, help="loader workers of the workers pipeline")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=30, help="batches timed per measurement")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed end-to-end steps per pipeline first")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--min-images", type=int, default=10_000)
+    parser.add_argument("--cache-dir", default=None, help="data.cache_dir of the device pipeline")
+    parser.add_argument("--json", default=None, help="write the numbers here")
+    parser.add_argument("--label", default="", help="a name for this setting in the output")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    setups = []
+    for name in args.pipelines:
+        overrides = [f"data.path={args.data}", f"data.pipeline={name}", f"data.num_workers={args.workers}",
+                     f"train.device={device.type}", *args.overrides]  # fmt: skip
+        if args.cache_dir:
+            overrides.append(f"data.cache_dir={args.cache_dir}")
+        setups.append(build(name, load_config(args.config, overrides), device, args.min_images))
+    for setup in setups:
+        for _ in range(args.warmup):
+            step(setup, next(setup.batches))
+        setup.fixed = next(setup.batches)
+        step(setup, setup.fixed)
+    times: dict[str, dict[str, list[float]]] = {s.name: {m: [] for m in MEASURES} for s in setups}
+    for r in range(args.rounds):
+        shift = r % len(setups)
+        for setup in setups[shift:] + setups[:shift]:
+            for what in MEASURES:
+                times[setup.name][what].append(timed(setup, what, args.steps, device))
+    cfg = setups[0].cfg
+    batch = cfg.data.batch_size
+    rates = {
+        name: {m: args.steps * batch / statistics.median(t) for m, t in per.items()} for name, per in times.items()
+    }
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    label = args.label or f"batch {batch}, {cfg.train.precision}{', channels_last' if cfg.train.channels_last else ''}"
+    print(f"\n{args.config} ({label}) on {where}; {args.steps} batches x {args.rounds} alternating rounds")
+    print("| pipeline | end to end img/s | loader alone img/s | step alone img/s |")
+    print("|---|---|---|---|")
+    for name, r in rates.items():
+        workers = f" ({args.workers})" if name == "workers" else ""
+        print(f"| {name}{workers} | {r['end_to_end']:,.0f} | {r['loader']:,.0f} | {r['step']:,.0f} |")
+    if len(rates) == 2 and "workers" in rates and "device" in rates:
+        print(f"device / workers end to end: {rates['device']['end_to_end'] / rates['workers']['end_to_end']:.2f}")
+    result = {
+        "config": args.config,
+        "label": label,
+        "device": where,
+        "batch": batch,
+        "precision": cfg.train.precision,
+        "channels_last": cfg.train.channels_last,
+        "workers": args.workers,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "overrides": args.overrides,
+        "images_per_s": rates,
+        "seconds": times,
+    }
+    if args.json:
+        path = Path(args.json)
+        existing = json.loads(path.read_text()) if path.is_file() else []
+        path.write_text(json.dumps([*existing, result], indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,382 @@
+"""The teacher's view and the student's crops and patches of a whole batch at once, on the training device.
+
+The same views as :mod:`obow.data.transforms` (paper appendix, official notes 2.11), made from a batch of
+decoded ``uint8`` images ``[B, 3, S, S]`` (an :class:`obow.data.cache.ImageCache`) instead of one PIL image at a
+time in a loader worker: every image still gets its own random parameters (crop box, flip, colour jitter and
+its order, grayscale, blur radius, patch cells and jitter), but all the pixel work of a batch is a handful of
+batched kernels (one ``roi_align`` per view group for every resized crop, elementwise colour maths, one grouped
+convolution for the blur). ``data.pipeline: device`` uses it (:class:`obow.data.device_loader.DeviceLoader`).
+
+The random parameters are drawn on the CPU from a ``torch.Generator`` the caller seeds (per global batch), so
+the views depend only on that seed and the images, whichever device computes them: a resumed run makes the
+views an uninterrupted one made, and a run on several GPUs the views of one GPU.
+
+Equal in distribution to the worker pipeline, not bit for bit: the crop boxes follow torchvision's
+``RandomResizedCrop`` sampling exactly (integer boxes, ten tries, the same fallback); the resampling is
+``roi_align``'s bilinear sampling averaged over ``ceil(box / out)`` points per output pixel (an area filter
+when shrinking) where PIL uses its own antialiased bilinear filter; colour maths runs on floats where PIL rounds
+to 8 bits after each operation; the blur is a Gaussian of the drawn standard deviation (kernel radius 3 sigma,
+edges replicated) where PIL approximates one with box blurs. ``tests/test_batched_views.py`` compares the two
+pipelines' distributions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchvision.ops import roi_align
+
+from obow.config import ViewsConfig
+from obow.data.transforms import GRID_SIDE
+
+#: torchvision's RandomResizedCrop: aspect ratios in [3/4, 4/3], ten tries before the central fallback.
+CROP_RATIO = (3 / 4, 4 / 3)
+CROP_TRIES = 10
+#: ITU-R 601-2 luma, as PIL's convert("L") and torchvision's rgb_to_grayscale.
+LUMA = (0.299, 0.587, 0.114)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# random parameters (CPU, one generator)
+
+
+def random_resized_boxes(
+    n: int, side: int, scale: Sequence[float], generator: torch.Generator, ratio: Sequence[float] = CROP_RATIO
+) -> Tensor:
+    """torchvision's ``RandomResizedCrop.get_params`` for ``n`` square images of ``side`` pixels, all at once.
+
+    For each image: up to :data:`CROP_TRIES` draws of an area fraction uniform in ``scale`` and a log-uniform
+    aspect ratio in ``ratio``; the first whose rounded width and height fit is kept, with its top-left corner
+    uniform over the integer positions; when none fits, torchvision's fallback, which for a square image is the
+    whole image. Returns integer boxes ``[n, 4]`` as ``(top, left, height, width)`` (int64).
+    """
+    area = float(side * side)
+    target = area * torch.empty(n, CROP_TRIES, dtype=torch.float64).uniform_(scale[0], scale[1], generator=generator)
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    aspect = torch.exp(torch.empty(n, CROP_TRIES, dtype=torch.float64).uniform_(log_lo, log_hi, generator=generator))
+    w = torch.round(torch.sqrt(target * aspect))
+    h = torch.round(torch.sqrt(target / aspect))
+    fits = (w > 0) & (w <= side) & (h > 0) & (h <= side)
+    first = torch.argmax(fits.to(torch.int8), dim=1)  # the first try that fits (0 when none does)
+    rows = torch.arange(n)
+    h, w = h[rows, first], w[rows, first]
+    u = torch.rand(n, 2, dtype=torch.float64, generator=generator)
+    top = torch.floor(u[:, 0] * (side - h + 1))
+    left = torch.floor(u[:, 1] * (side - w + 1))
+    boxes = torch.stack([top, left, h, w], dim=1)
+    whole = torch.tensor([0.0, 0.0, side, side], dtype=torch.float64)
+    return torch.where(fits.any(dim=1, keepdim=True), boxes, whole).to(torch.int64)
+
+
+def teacher_box(side: int, resize: int, size: int) -> Tensor:
+    """The teacher's ``Resize(resize)`` + ``CenterCrop(size)`` of a square image of ``side`` pixels as a box in its
+    own pixels ``[4]`` (top, left, height, width): the crop starts ``round((resize - size) / 2)`` pixels into the
+    resized image (torchvision's CenterCrop), i.e. that many times ``side / resize`` source pixels."""
+    ratio = side / resize
+    start, extent = round((resize - size) / 2.0) * ratio, size * ratio
+    return torch.tensor([start, start, extent, extent], dtype=torch.float64)
+
+
+@dataclass
+class PhotometricParams:
+    """One draw of the student's colour and flip augmentations for a batch of views (see
+    :func:`draw_photometric`); every field has the same leading dimensions ``[*]``."""
+
+    jitter: Tensor  # [*] bool: colour jitter applied
+    factors: Tensor  # [*, 4]: brightness, contrast, saturation factors and hue shift
+    order: Tensor  # [*, 4]: the order of the four operations (a permutation of 0..3 per view)
+    gray: Tensor  # [*] bool
+    blur: Tensor  # [*] bool
+    sigma: Tensor  # [*]: the blur's standard deviation in pixels (meaningful where blur)
+    flip: Tensor  # [*] bool
+
+    def to(self, device: torch.device) -> PhotometricParams:
+        return PhotometricParams(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
+
+    def flatten(self) -> PhotometricParams:
+        """The fields with their two leading dimensions ``[B, m]`` merged into one."""
+        return PhotometricParams(**{k: v.flatten(0, 1) for k, v in vars(self).items()})
+
+    def __getitem__(self, rows: slice) -> PhotometricParams:
+        return PhotometricParams(**{k: v[rows] for k, v in vars(self).items()})
+
+
+def jitter_ranges(strengths: Sequence[float]) -> list[tuple[float, float]]:
+    """torchvision's ColorJitter ranges: ``[max(0, 1 - s), 1 + s]`` for brightness, contrast and saturation,
+    ``[-h, h]`` for the hue shift."""
+    b, c, s, h = strengths
+    return [(max(0.0, 1 - b), 1 + b), (max(0.0, 1 - c), 1 + c), (max(0.0, 1 - s), 1 + s), (-h, h)]
+
+
+def draw_photometric(
+    shape: tuple[int, ...], cfg: ViewsConfig, generator: torch.Generator, blur: bool
+) -> PhotometricParams:
+    """Per-view parameters of colour jitter (with ``cfg.color_jitter_prob``; torchvision draws a random order of
+    the four operations and a factor each), grayscale (``cfg.grayscale_prob``), blur (``cfg.blur_prob``, radius
+    uniform in ``cfg.blur_sigma``; never when ``blur`` is false) and a horizontal flip (1/2)."""
+    u = torch.rand(*shape, 4, generator=generator)
+    ranges = jitter_ranges(cfg.color_jitter)
+    factors = torch.stack([torch.empty(shape).uniform_(lo, hi, generator=generator) for lo, hi in ranges], dim=-1)
+    order = torch.argsort(torch.rand(*shape, 4, generator=generator), dim=-1)
+    sigma = torch.empty(shape).uniform_(cfg.blur_sigma[0], cfg.blur_sigma[1], generator=generator)
+    return PhotometricParams(
+        jitter=u[..., 0] < cfg.color_jitter_prob,
+        factors=factors,
+        order=order,
+        gray=u[..., 1] < cfg.grayscale_prob,
+        blur=(u[..., 2] < cfg.blur_prob) & blur,
+        sigma=sigma,
+        flip=u[..., 3] < 0.5,
+    )
+
+
+def draw_patch_cells(n: int, num_patches: int, jitter: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """For ``n`` patch views: which cells of the 3x3 grid are kept (``[n, num_patches]``, a random subset in random
+    order, as ``randperm(9)[:num_patches]``) and each kept cell's jitter (``[n, num_patches, 2]``, integers in
+    ``[0, jitter]``), as :class:`obow.data.transforms.PatchGrid` draws them."""
+    cells = GRID_SIDE * GRID_SIDE
+    keep = torch.argsort(torch.rand(n, cells, generator=generator), dim=1)[:, :num_patches]
+    offsets = torch.randint(0, jitter + 1, (n, num_patches, 2), generator=generator)
+    return keep, offsets
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pixel work (any device, batched)
+
+
+def resized_crops(images: Tensor, boxes: Tensor, size: int) -> Tensor:
+    """``m`` crops of each image, each resized to ``size x size``: ``images`` ``[B, 3, H, W]`` (any dtype), ``boxes``
+    ``[B, m, 4]`` (top, left, height, width in pixels of its image); returns float32 ``[B, m, 3, size, size]`` in
+    the images' value range.
+
+    One ``roi_align`` (aligned, so a box of the whole image maps pixel centres as ``interpolate`` with
+    ``align_corners=False`` does), averaging ``ceil(box / size)`` bilinear samples per output pixel along each axis:
+    plain bilinear when enlarging, an area filter when shrinking (antialiased, as PIL's resize).
+    """
+    batch, m = boxes.shape[:2]
+    flat = boxes.reshape(-1, 4).to(images.device, torch.float32)
+    top, left, height, width = flat.unbind(1)
+    index = torch.arange(batch, device=images.device, dtype=torch.float32).repeat_interleave(m)
+    rois = torch.stack([index, left, top, left + width, top + height], dim=1)
+    out = roi_align(images.float(), rois, output_size=size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+    return out.view(batch, m, *out.shape[1:])
+
+
+def _blend(a: Tensor, b: Tensor, factor: Tensor) -> Tensor:
+    """``factor * a + (1 - factor) * b`` clamped to [0, 1], ``factor`` per view (torchvision's _blend)."""
+    return (factor.view(-1, 1, 1, 1) * a + (1 - factor.view(-1, 1, 1, 1)) * b).clamp_(0, 1)
+
+
+def grayscale(x: Tensor) -> Tensor:
+    """Luma ``[n, 1, h, w]`` of RGB ``[n, 3, h, w]`` in [0, 1]."""
+    r, g, b = x.unbind(1)
+    return (LUMA[0] * r + LUMA[1] * g + LUMA[2] * b).unsqueeze(1)
+
+
+def adjust_brightness(x: Tensor, factor: Tensor) -> Tensor:
+    return _blend(x, torch.zeros_like(x), factor)
+
+
+def adjust_contrast(x: Tensor, factor: Tensor) -> Tensor:
+    """Blend with the mean luma of each view (torchvision's and PIL's contrast)."""
+    return _blend(x, grayscale(x).mean(dim=(1, 2, 3), keepdim=True).expand_as(x), factor)
+
+
+def adjust_saturation(x: Tensor, factor: Tensor) -> Tensor:
+    return _blend(x, grayscale(x).expand_as(x), factor)
+
+
+def adjust_hue(x: Tensor, shift: Tensor) -> Tensor:
+    """Rotate the hue of each view by ``shift`` (a fraction of a turn, per view) in HSV space."""
+    r, g, b = x.unbind(1)
+    maxc, _ = x.max(dim=1)
+    minc, _ = x.min(dim=1)
+    delta = maxc - minc
+    safe = torch.where(delta > 0, delta, torch.ones_like(delta))
+    rc, gc, bc = (maxc - r) / safe, (maxc - g) / safe, (maxc - b) / safe
+    hue = torch.where(maxc == r, bc - gc, torch.where(maxc == g, 2.0 + rc - bc, 4.0 + gc - rc))
+    hue = torch.where(delta > 0, (hue / 6.0) % 1.0, torch.zeros_like(hue))
+    hue = (hue + shift.view(-1, 1, 1)) % 1.0
+    sat = torch.where(maxc > 0, delta / torch.where(maxc > 0, maxc, torch.ones_like(maxc)), torch.zeros_like(maxc))
+    # HSV -> RGB: each channel is v - v * s * clamp(min(k, 4 - k), 0, 1) with k = (n + 6h) mod 6, n = 5, 3, 1
+    k = (torch.tensor([5.0, 3.0, 1.0], device=x.device, dtype=x.dtype).view(1, 3, 1, 1) + 6.0 * hue.unsqueeze(1)) % 6
+    weight = torch.minimum(k, 4.0 - k).clamp(0, 1)
+    v = maxc.unsqueeze(1)
+    return v - v * sat.unsqueeze(1) * weight
+
+
+_JITTER_OPS = (adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue)
+
+
+def color_jitter(x: Tensor, factors: Tensor, order: Tensor, apply: Tensor) -> Tensor:
+    """torchvision's ColorJitter with each view's own factors and order, on the views where ``apply``: four
+    rounds, in round ``r`` every view applies its operation ``order[:, r]``. ``factors``, ``order`` and ``apply`` are
+    CPU tensors, so the views of each (round, operation) are picked on the CPU, without a device synchronisation,
+    and each operation runs once per view (the hue rotation is the costly one)."""
+    x = x.clone()
+    for r in range(4):
+        for k, fn in enumerate(_JITTER_OPS):
+            rows = torch.nonzero(apply & (order[:, r] == k)).flatten()
+            if len(rows):
+                on_device = rows.to(x.device, non_blocking=True)
+                shift = factors[rows, k].to(x.device, non_blocking=True)
+                x.index_copy_(0, on_device, fn(x.index_select(0, on_device), shift))
+    return x
+
+
+def gaussian_blur(x: Tensor, sigma: Tensor, max_sigma: float) -> Tensor:
+    """Blur each view of ``x`` ``[n, 3, h, w]`` with a Gaussian of its own standard deviation ``sigma[i]`` (pixels):
+    a separable kernel of radius ``ceil(3 * max_sigma)`` (at least 1), edges replicated (as PIL extends them), as
+    two grouped convolutions over all views at once."""
+    n, c, h, w = x.shape
+    radius = max(1, math.ceil(3 * max_sigma))
+    t = torch.arange(-radius, radius + 1, device=x.device, dtype=x.dtype)
+    kernel = torch.exp(-0.5 * (t / sigma.to(x.dtype).view(-1, 1)) ** 2)
+    kernel = (kernel / kernel.sum(dim=1, keepdim=True)).repeat_interleave(c, dim=0)  # [n*c, 2r+1]
+    flat = x.reshape(1, n * c, h, w)
+    flat = F.pad(flat, (radius, radius, radius, radius), mode="replicate")
+    flat = F.conv2d(flat, kernel.view(n * c, 1, 1, -1), groups=n * c)
+    flat = F.conv2d(flat, kernel.view(n * c, 1, -1, 1), groups=n * c)
+    return flat.view(n, c, h, w)
+
+
+def photometric(x: Tensor, p: PhotometricParams, max_sigma: float) -> Tensor:
+    """The student's augmentations after the crop, in the worker pipeline's order: colour jitter -> grayscale ->
+    blur -> flip. ``x``: ``[n, 3, h, w]`` in [0, 1]; ``p`` on the CPU."""
+    x = color_jitter(x, p.factors, p.order, p.jitter)
+    device = p.to(x.device)
+
+    def select(mask: Tensor, a: Tensor, b: Tensor) -> Tensor:
+        return torch.where(mask.view(-1, 1, 1, 1), a, b)
+
+    x = select(device.gray, grayscale(x).expand_as(x), x)
+    if bool(p.blur.any()):  # decided on the CPU: no device synchronisation
+        x = select(device.blur, gaussian_blur(x, device.sigma, max_sigma), x)
+    return select(device.flip, x.flip(-1), x)
+
+
+def cut_patches(view: Tensor, keep: Tensor, offsets: Tensor, patch_size: int, jitter: int) -> Tensor:
+    """The kept cells of the 3x3 patch grid of each view ``[n, 3, G, G]`` -> ``[n, P, 3, p, p]``: cell ``(i, j)``
+    starts at ``(i * step + dy, j * step + dx)`` with ``step = (G - p - jitter) // 2`` (as
+    :class:`obow.data.transforms.PatchGrid`). One gather."""
+    n, _, side, _ = view.shape
+    step = (side - patch_size - jitter) // (GRID_SIDE - 1)
+    keep, offsets = keep.to(view.device), offsets.to(view.device)
+    top = (keep // GRID_SIDE) * step + offsets[..., 0]  # [n, P]
+    left = (keep % GRID_SIDE) * step + offsets[..., 1]
+    span = torch.arange(patch_size, device=view.device)
+    rows = (top[..., None] + span)[..., :, None]  # [n, P, p, 1]
+    cols = (left[..., None] + span)[..., None, :]  # [n, P, 1, p]
+    owner = torch.arange(n, device=view.device).view(n, 1, 1, 1)
+    patches = view.permute(0, 2, 3, 1)[owner, rows, cols]  # [n, P, p, p, 3]
+    return patches.permute(0, 1, 4, 2, 3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the views of a batch
+
+
+@dataclass
+class GroupParams:
+    """The random parameters of ``m`` student views of each of ``B`` images: crop boxes ``[B, m, 4]`` (top, left,
+    height, width) and their photometric parameters ``[B, m, ...]``."""
+
+    boxes: Tensor
+    photo: PhotometricParams
+
+    def __getitem__(self, rows: slice) -> GroupParams:
+        return GroupParams(self.boxes[rows], self.photo[rows])
+
+
+@dataclass
+class ViewParams:
+    """Every random parameter of a batch's views (CPU tensors, first dimension the image), drawn by
+    :meth:`BatchedViews.draw`; ``params[a:b]`` is the parameters of images ``a..b-1`` (a process's share of a
+    global batch)."""
+
+    teacher_flip: Tensor | None  # [B] bool; None for MoCo v2's views, whose key view is a student-like crop
+    crops: GroupParams | None
+    grid: GroupParams | None  # the patch view (one per image), whose grid of patches is cut as below
+    patch_keep: Tensor | None  # [B, P]: kept cells of the 3x3 grid
+    patch_offsets: Tensor | None  # [B, P, 2]: their jitter
+
+    def __getitem__(self, rows: slice) -> ViewParams:
+        return ViewParams(*(None if v is None else v[rows] for v in vars(self).values()))
+
+
+class BatchedViews:
+    """All views of a batch of decoded square images of ``side`` pixels, as :class:`obow.data.transforms.OBoWViews`
+    makes them one image at a time (``mocov2=True``: as :class:`~obow.data.transforms.MoCoV2Views`, a key and a
+    query view of ``views.teacher_size``, random-resized crops of scale ``moco_crop_scale`` with blur).
+
+    Two steps: :meth:`draw` draws every random parameter of ``B`` images from a seeded CPU ``generator``;
+    :meth:`render` makes the views of images ``[B, 3, side, side]`` (uint8, any device) with them, in the
+    collated form the worker pipeline gives: ``{"teacher": [B, 3, T, T], "crops": [B, n, 3, c, c], "patches":
+    [B, P, 3, p, p]}`` (normalised float32, on the images' device).
+    """
+
+    def __init__(
+        self, cfg: ViewsConfig, side: int, mocov2: bool = False, moco_crop_scale: Sequence[float] = (0.2, 1.0)
+    ) -> None:
+        if side < 1:
+            raise ValueError(f"BatchedViews needs images of at least 1 pixel, got {side}")
+        self.cfg = cfg
+        self.side = side
+        self.mocov2 = mocov2
+        self.moco_crop_scale = tuple(moco_crop_scale)
+        self._teacher_box = teacher_box(side, cfg.teacher_resize, cfg.teacher_size)
+
+    def draw(self, batch: int, generator: torch.Generator) -> ViewParams:
+        """The random parameters of ``batch`` images' views, in a fixed order of draws from ``generator``."""
+        cfg = self.cfg
+        if self.mocov2:
+            return ViewParams(None, self._draw_group(batch, 2, self.moco_crop_scale, True, generator), None, None, None)
+        flip = torch.rand(batch, generator=generator) < 0.5
+        crops = self._draw_group(batch, cfg.num_crops, cfg.crop_scale, True, generator) if cfg.num_crops else None
+        grid = keep = offsets = None
+        if cfg.num_patches:
+            grid = self._draw_group(batch, 1, cfg.patch_scale, False, generator)
+            keep, offsets = draw_patch_cells(batch, cfg.num_patches, cfg.patch_jitter, generator)
+        return ViewParams(flip, crops, grid, keep, offsets)
+
+    def render(self, images: Tensor, params: ViewParams) -> dict[str, Tensor]:
+        """The views of ``images`` ``[B, 3, side, side]`` under ``params`` (of the same ``B`` images)."""
+        cfg = self.cfg
+        if self.mocov2:
+            both = self._render_group(images, params.crops, cfg.teacher_size)
+            return {"teacher": both[:, 0], "crops": both[:, 1:]}
+        box = self._teacher_box.expand(images.shape[0], 1, 4)
+        teacher = resized_crops(images, box, cfg.teacher_size)[:, 0] / 255.0
+        flip = params.teacher_flip.to(images.device, non_blocking=True).view(-1, 1, 1, 1)
+        views = {"teacher": self._normalize(torch.where(flip, teacher.flip(-1), teacher))}
+        if params.crops is not None:
+            views["crops"] = self._render_group(images, params.crops, cfg.crop_size)
+        if params.grid is not None:
+            grid = self._render_group(images, params.grid, cfg.patch_grid_size)[:, 0]
+            patches = cut_patches(grid, params.patch_keep, params.patch_offsets, cfg.patch_size, cfg.patch_jitter)
+            views["patches"] = patches.contiguous()
+        return views
+
+    def __call__(self, images: Tensor, generator: torch.Generator) -> dict[str, Tensor]:
+        return self.render(images, self.draw(images.shape[0], generator))
+
+    def _draw_group(self, batch: int, m: int, scale, blur: bool, generator: torch.Generator) -> GroupParams:
+        boxes = random_resized_boxes(batch * m, self.side, scale, generator).view(batch, m, 4)
+        return GroupParams(boxes, draw_photometric((batch, m), self.cfg, generator, blur))
+
+    def _render_group(self, images: Tensor, group: GroupParams, size: int) -> Tensor:
+        """The group's augmented, normalised crops of ``size`` px: ``[B, m, 3, size, size]``."""
+        batch, m = group.boxes.shape[:2]
+        crops = resized_crops(images, group.boxes, size).flatten(0, 1) / 255.0
+        crops = photometric(crops, group.photo.flatten(), self.cfg.blur_sigma[1])
+        return self._normalize(crops).view(batch, m, 3, size, size)
+
+    def _normalize(self, x: Tensor) -> Tensor:
+        mean = torch.tensor(self.cfg.mean, dtype=x.dtype).view(1, 3, 1, 1).to(x.device, non_blocking=True)
+        std = torch.tensor(self.cfg.std, dtype=x.dtype).view(1, 3, 1, 1).to(x.device, non_blocking=True)
+        return (x - mean) / std

@@ -1,0 +1,181 @@
+"""Decode a folder's images once into a ``uint8`` array ``[N, 3, S, S]`` for ``data.pipeline: device``.
+
+The device pipeline (:mod:`obow.data.batched_views`) makes the views of a batch from decoded pixels, so each
+image is decoded once per run set-up instead of once per sample. The array is a file in ``data.cache_dir``
+(default ``$XDG_CACHE_HOME/obow`` or ``~/.cache/obow``), named by a key of the folder's contents (every image's
+relative path, size in bytes and modification time) and the cached size: a later run on the same, unchanged
+images reads it back at once; a changed, added or removed file gives another key and the cache is rebuilt (the
+stale file of the same folder and size is removed). It is read into memory when it fits in half of the memory
+available, memory-mapped otherwise (:attr:`ImageCache.where` says which, and the run's header prints it).
+
+Every image is stored as a square of ``S`` pixels: its central square, resized with PIL's antialiased bilinear
+filter to ``S``. ``S`` is ``data.cache_size`` when set; otherwise the images' own size when they all are squares
+of one size (CIFAR-10, the 160 px Imagenette: no resampling at all), else the largest view that the recipe
+makes before cropping (``max(views.teacher_resize, views.patch_grid_size)``). Non-square images lose their edges
+outside the central square (the worker pipeline's random crops may reach them): the header counts them.
+Unreadable files are left out, with one warning that counts them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from obow.data.folders import ImageList, load_rgb
+
+log = logging.getLogger("obow")
+
+#: Bumped when the file layout or the decoding changes, so that old caches are not read.
+CACHE_VERSION = 1
+
+
+@dataclass
+class ImageCache:
+    """Decoded images ``pixels`` ``[N, 3, side, side]`` (uint8, CPU; a NumPy array, possibly memory-mapped) of
+    ``images`` (the readable ones, in the folder's order), the file they live in, and where they are held."""
+
+    pixels: np.ndarray
+    images: ImageList
+    side: int
+    file: Path
+    where: str  # "memory" or "memory-mapped"
+    not_square: int  # images whose edges outside the central square were cut
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.pixels.nbytes)
+
+    def batch(self, indices: torch.Tensor) -> torch.Tensor:
+        """The images at ``indices`` as a ``[B, 3, S, S]`` uint8 CPU tensor (a copy)."""
+        return torch.from_numpy(np.ascontiguousarray(self.pixels[indices.numpy()]))
+
+    def describe(self) -> str:
+        """One line for the run's header: how many images, their size, the bytes held and where."""
+        cut = f"; {self.not_square} non-square images cut to their central square" if self.not_square else ""
+        return (
+            f"{len(self.images)} images decoded to {self.side} px squares, {self.nbytes / 2**20:.0f} MiB "
+            f"{'in memory' if self.where == 'memory' else 'memory-mapped'} from {self.file}{cut}"
+        )
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "obow"
+
+
+def contents_key(images: ImageList) -> str:
+    """A digest of the images' relative paths, sizes and modification times (any change gives another key)."""
+    digest = hashlib.sha256(f"obow-cache-v{CACHE_VERSION}".encode())
+    for path in images.paths:
+        stat = os.stat(path)
+        digest.update(f"{os.path.relpath(path, images.root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:20]
+
+
+def folder_key(root: str) -> str:
+    return hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:12]
+
+
+def choose_side(images: ImageList, views_side: int, cache_size: int | None) -> tuple[int, int]:
+    """The cached side ``S`` (see the module's docstring) and how many images are not square (headers only)."""
+    sizes = []
+    for path in images.paths:
+        try:
+            with Image.open(path) as img:
+                sizes.append(img.size)
+        except Exception:  # unreadable: left out when decoding, counted there
+            continue
+    not_square = sum(1 for w, h in sizes if w != h)
+    if cache_size is not None:
+        return cache_size, not_square
+    if sizes and not_square == 0 and len(set(sizes)) == 1:
+        return sizes[0][0], 0
+    return views_side, not_square
+
+
+def _decode(path: str, side: int) -> np.ndarray | None:
+    """One image as ``[3, side, side]`` uint8 (its central square resized), or ``None`` when unreadable."""
+    try:
+        img = load_rgb(path)
+    except Exception:
+        return None
+    w, h = img.size
+    edge = min(w, h)
+    left, top = (w - edge) // 2, (h - edge) // 2
+    square = img.crop((left, top, left + edge, top + edge))
+    if edge != side:
+        square = square.resize((side, side), Image.BILINEAR, reducing_gap=None)
+    return np.asarray(square, dtype=np.uint8).transpose(2, 0, 1)
+
+
+def build_cache(
+    images: ImageList, views_side: int, cache_size: int | None = None, cache_dir: str | os.PathLike | None = None
+) -> ImageCache:
+    """The decoded images of ``images``: read from ``cache_dir`` when a cache of the same contents and size is
+    there, else decoded (threads) and written there first. Raises ``ValueError`` (one line) when the folder cannot
+    be cached: no readable image, or a cache folder that cannot be written."""
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    side, not_square = choose_side(images, views_side, cache_size)
+    key = f"{folder_key(images.root)}-{contents_key(images)}-{side}px"
+    file, meta_file = folder / f"{key}.u8", folder / f"{key}.json"
+    if not (file.is_file() and meta_file.is_file()):
+        _write_cache(images, side, folder, key)
+    meta = json.loads(meta_file.read_text())
+    kept = meta["kept"]
+    shape = (len(kept), 3, side, side)
+    nbytes = int(np.prod(shape))
+    if nbytes <= available_memory() // 2:
+        pixels, where = np.fromfile(file, dtype=np.uint8).reshape(shape), "memory"
+    else:
+        pixels, where = np.memmap(file, dtype=np.uint8, mode="r", shape=shape), "memory-mapped"
+    labels = None if images.labels is None else [images.labels[i] for i in kept]
+    readable = replace(images, paths=[images.paths[i] for i in kept], labels=labels)
+    return ImageCache(pixels, readable, side, file, where, not_square)
+
+
+def _write_cache(images: ImageList, side: int, folder: Path, key: str) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob(f"{folder_key(images.root)}-*-{side}px.*"):  # the folder's earlier contents
+            if not stale.name.startswith(key):
+                stale.unlink(missing_ok=True)
+        partial = folder / f"{key}.u8.{os.getpid()}.partial"  # runs that build the same cache at once do not mix
+        kept: list[int] = []
+        with open(partial, "wb") as out, ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            for i, pixels in enumerate(pool.map(lambda p: _decode(p, side), images.paths, chunksize=64)):
+                if pixels is not None:
+                    out.write(pixels.tobytes())
+                    kept.append(i)
+    except OSError as err:
+        raise ValueError(f"cannot write the image cache in {folder} ({err.strerror}); set data.cache_dir") from err
+    if not kept:
+        partial.unlink(missing_ok=True)
+        raise ValueError(f"no readable image under {images.root}")
+    if len(kept) < len(images):
+        skipped = sorted(set(range(len(images))) - set(kept))
+        log.warning("image cache: %d unreadable images left out (e.g. %s)", len(skipped), images.paths[skipped[0]])
+    os.replace(partial, folder / f"{key}.u8")
+    meta = {"version": CACHE_VERSION, "root": images.root, "side": side, "kept": kept}
+    partial_meta = folder / f"{key}.json.{os.getpid()}.partial"
+    partial_meta.write_text(json.dumps(meta))
+    os.replace(partial_meta, folder / f"{key}.json")  # last: a cache with its list of images is complete
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (``MemAvailable``), or the physical memory when that cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

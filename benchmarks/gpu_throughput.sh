@@ -9,11 +9,13 @@
 # the plumbing on a machine without a GPU (with SMALL=1: tiny batches and steps). SKIP: parts to leave out.
 # Writes to $OUT: summary.txt (one line per part), all.log, throughput.json and throughput.md (from
 # benchmarks/throughput.py), profile.txt, libraries.txt, quality.jsonl (each quality run's epoch records).
-# Parts, in order of value:
-#   1. end-to-end throughput, loader alone and step alone, workers against device pipeline, per recipe: the
-#      recipe's own settings, then a large batch in bf16 + channels_last;
-#   2. equal-steps quality: cifar10_resnet18 one epoch of all of CIFAR-10, workers and device pipeline side by
-#      side, seeds 0 and 1, kNN (k=200) on the 10,000 test images;
+# Parts, in order of value (each capped; a lent call lasts at most 10 minutes and the whole lease 15):
+#   1. end-to-end throughput, loader alone and step alone: cifar10_resnet18 at the recipe's settings, workers
+#      against device pipeline (the baseline in the same run); then the device pipeline alone at a large batch
+#      in bf16 + channels_last for cifar10_resnet18 and cifar10_fast, and at the recipe's batch for the two
+#      ImageNet-scale recipes (their workers baseline is docs/results/gpu_h100.md's step alone, an upper bound);
+#   2. equal-steps quality: cifar10_resnet18, 3 epochs of 10,000 CIFAR-10 images, workers and device pipeline,
+#      seeds 0 and 1, the four runs at once, kNN (k=200) on the 10,000 test images;
 #   3. torch.profiler of a few steps (benchmarks/gpu_profile.py);
 #   4. obow's batched crops against kornia and torchvision (benchmarks/views_libraries.py).
 set -u
@@ -53,52 +55,52 @@ part() { # part NAME CAP command...: run with a timeout of min(CAP, time left), 
 }
 
 if [ "$SMALL" = 1 ]; then # the dry run: every part, tiny
-    S1=1 S2=1 B_BIG=16 B_R50=8 B_LIB=16 B_REC="data.batch_size=8" QCFG=cifar10_fast QUAL="data.batch_size=64"
-    TPX="--warmup 1 --rounds 1 --min-images 64" PROFX="--warmup 1 --steps 1"
+    S1=1 S2=1 B_BIG=16 B_R50=8 B_LIB=16 B_REC="data.batch_size=8" QUAL="data.batch_size=16 data.images_per_class=8"
+    TPX="--warmup 1 --rounds 1 --min-images 64" PROFX="--warmup 1 --steps 1" QEPOCHS=1
 else
-    S1=20 S2=10 B_BIG=512 B_R50=128 B_LIB=512 B_REC="" QCFG=cifar10_resnet18 QUAL="" TPX="" PROFX=""
+    S1=15 S2=8 B_BIG=512 B_R50=128 B_LIB=512 B_REC="" QUAL="data.images_per_class=1000" TPX="--warmup 3" PROFX=""
+    QEPOCHS=3
 fi
 TP="python3 benchmarks/throughput.py --device $DEVICE --workers $WORKERS --cache-dir $CACHE --json $OUT/throughput.json $TPX"
 FAST="train.precision=bf16 train.channels_last=true"
 [ "$DEVICE" = cpu ] && FAST="train.precision=fp32 train.channels_last=true" # bf16 is emulated on some CPUs
-export OUT C10 INETTE DEVICE WORKERS CACHE B_BIG B_LIB B_REC QUAL QCFG FAST PROFX
+export OUT C10 INETTE DEVICE WORKERS CACHE B_BIG B_LIB B_REC QUAL QEPOCHS FAST PROFX
 
-part env 30 bash -c 'nproc; nvidia-smi -L 2>/dev/null; python3 -c "import torch, torchvision; print(torch.__version__, torchvision.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0))"'
+part env 20 bash -c 'nproc; nvidia-smi -L 2>/dev/null; python3 -c "import torch, torchvision; print(torch.__version__, torchvision.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0))"'
 part c10r18 80 $TP --config cifar10_resnet18 --data "$C10/train" --steps $S1 $B_REC --label "recipe: batch 128, fp32"
-part c10r18_big 90 $TP --config cifar10_resnet18 --data "$C10/train" --steps $S2 data.batch_size=$B_BIG $FAST
-part c10fast_big 80 $TP --config cifar10_fast --data "$C10/train" --steps $S2 data.batch_size=$B_BIG $FAST
+part c10r18_big 40 $TP --pipelines device --config cifar10_resnet18 --data "$C10/train" --steps $S2 data.batch_size=$B_BIG $FAST
+part c10fast_big 35 $TP --pipelines device --config cifar10_fast --data "$C10/train" --steps $S2 data.batch_size=$B_BIG $FAST
+part in20 40 $TP --pipelines device --config imagenet20_resnet18_full --data "$INETTE/train" --steps $S2 $B_REC data.images_per_class=null $FAST
+part r50 45 $TP --pipelines device --config imagenet_resnet50_full --data "$INETTE/train" --steps $S2 data.batch_size=$B_R50 data.images_per_class=null $FAST
 
-quality() { # the pairs of one-epoch runs, workers and device side by side, then their epoch records
-    local seed pipe pids
+quality() { # four runs at once (workers and device pipeline, seeds 0 and 1), then their epoch records
+    local seed pipe
     for seed in 0 1; do
-        pids=""
         for pipe in workers device; do
-            python3 -m obow pretrain --config $QCFG --data "$C10/train" --val "$C10/test" \
+            python3 -m obow pretrain --config cifar10_resnet18 --data "$C10/train" --val "$C10/test" \
                 --out "/tmp/quality/$pipe-s$seed" data.pipeline=$pipe data.num_workers=$((WORKERS / 2)) \
-                data.cache_dir=$CACHE train.device=$DEVICE train.seed=$seed optim.epochs=1 optim.warmup_epochs=0.1 \
-                train.knn_every=1 train.knn_k=200 train.progress_bar=false train.tensorboard=false $QUAL &
-            pids="$pids $!"
+                data.cache_dir=$CACHE train.device=$DEVICE train.seed=$seed optim.epochs=$QEPOCHS \
+                train.knn_every=$QEPOCHS train.knn_k=200 train.progress_bar=false train.tensorboard=false $QUAL \
+                > "/tmp/quality-$pipe-s$seed.log" 2>&1 &
         done
-        wait $pids
+    done
+    wait
+    for seed in 0 1; do
         for pipe in workers device; do
+            tail -n 3 "/tmp/quality-$pipe-s$seed.log"
             python3 -c "import json,sys; [print(json.dumps({'pipeline': sys.argv[2], 'seed': int(sys.argv[3]), **json.loads(l)})) for l in open(sys.argv[1]) if 'epoch_time_s' in l]" \
                 "/tmp/quality/$pipe-s$seed/log.jsonl" $pipe $seed >> "$OUT/quality.jsonl"
         done
     done
 }
-part quality 150 bash -c "$(declare -f quality); quality"
+part quality 110 bash -c "$(declare -f quality); quality"
 profile() {
-    python3 benchmarks/gpu_profile.py --config $QCFG --data "$C10/train" --device $DEVICE --cache-dir $CACHE --pipeline device $PROFX data.batch_size=$B_BIG $FAST
-    python3 benchmarks/gpu_profile.py --config $QCFG --data "$C10/train" --device $DEVICE --cache-dir $CACHE --pipeline device $PROFX --top 12 $B_REC
+    python3 benchmarks/gpu_profile.py --config cifar10_resnet18 --data "$C10/train" --device $DEVICE --cache-dir $CACHE --pipeline device $PROFX --top 15 data.batch_size=$B_BIG $FAST
 }
-part profile 45 bash -c "$(declare -f profile); profile > $OUT/profile.txt 2>&1"
-part in20 60 $TP --config imagenet20_resnet18_full --data "$INETTE/train" --steps $((S2 / 2 + 1)) $B_REC data.images_per_class=null $FAST
-part r50 60 $TP --config imagenet_resnet50_full --data "$INETTE/train" --steps $((S2 / 2 + 1)) data.batch_size=$B_R50 data.images_per_class=null $FAST
-part c10fast 50 $TP --config cifar10_fast --data "$C10/train" --steps $S2 $B_REC train.precision=fp32 --label "recipe: batch 128, fp32, channels_last"
+part profile 30 bash -c "$(declare -f profile); profile > $OUT/profile.txt 2>&1"
 libraries() {
-    python3 benchmarks/views_libraries.py --config cifar10_resnet18 --device $DEVICE --batch $B_LIB
-    python3 benchmarks/views_libraries.py --config imagenet20_resnet18_full --device $DEVICE --batch $((B_LIB / 4)) --side 160 --skip torchvision
+    python3 benchmarks/views_libraries.py --config cifar10_resnet18 --device $DEVICE --batch $B_LIB --skip torchvision
 }
-part libraries 30 bash -c "$(declare -f libraries); libraries > $OUT/libraries.txt 2>&1"
+part libraries 25 bash -c "$(declare -f libraries); libraries > $OUT/libraries.txt 2>&1"
 grep -h -A8 "^$\|on .*alternating" "$OUT/all.log" | grep "^|\|alternating\|device / workers" > "$OUT/throughput.md"
 echo "total $(($(date +%s) - T0))s" | tee -a "$OUT/summary.txt"

@@ -17,7 +17,8 @@
 #   2. equal-steps quality: cifar10_resnet18, 3 epochs of 10,000 CIFAR-10 images, workers and device pipeline,
 #      seeds 0 and 1, the four runs at once, kNN (k=200) on the 10,000 test images;
 #   3. torch.profiler of a few steps (benchmarks/gpu_profile.py);
-#   4. obow's batched crops against kornia and torchvision (benchmarks/views_libraries.py).
+#   4. obow's batched crops against kornia and torchvision (benchmarks/views_libraries.py);
+#   5. cifar10_fast at its recipe's settings, workers against device; torch.compile (train.compile) at a large batch.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_throughput_out}
@@ -97,10 +98,13 @@ part quality 110 bash -c "$(declare -f quality); quality"
 profile() {
     python3 benchmarks/gpu_profile.py --config cifar10_resnet18 --data "$C10/train" --device $DEVICE --cache-dir $CACHE --pipeline device $PROFX --top 15 data.batch_size=$B_BIG $FAST
 }
-part profile 30 bash -c "$(declare -f profile); profile > $OUT/profile.txt 2>&1"
+part profile 60 bash -c "$(declare -f profile); profile > $OUT/profile.txt 2>&1"
 libraries() {
     python3 benchmarks/views_libraries.py --config cifar10_resnet18 --device $DEVICE --batch $B_LIB --skip torchvision
 }
-part libraries 25 bash -c "$(declare -f libraries); libraries > $OUT/libraries.txt 2>&1"
+part libraries 40 bash -c "$(declare -f libraries); libraries > $OUT/libraries.txt 2>&1"
+# second call: the recipe's own settings of cifar10_fast against workers, then torch.compile of the networks
+part c10fast 60 $TP --config cifar10_fast --data "$C10/train" --steps $S1 $B_REC --label "recipe: batch 128, fp32"
+part c10r18_compile 200 $TP --pipelines device --warmup 6 --config cifar10_resnet18 --data "$C10/train" --steps $S2 data.batch_size=$B_BIG $FAST train.compile=true
 grep -h -A8 "^$\|on .*alternating" "$OUT/all.log" | grep "^|\|alternating\|device / workers" > "$OUT/throughput.md"
 echo "total $(($(date +%s) - T0))s" | tee -a "$OUT/summary.txt"

@@ -53,17 +53,9 @@ from torch.utils.data import default_collate
 from obow.backbones import build_backbone
 from obow.config import Config, load_config
 from obow.methods import build_views
-from obow.training.loop import (
-    Run,
-    build_model,
-    build_optimizer,
-    native_bf16,
-    precision_context,
-    prepare_step_model,
-    resolve_precision,
-    to_device,
-    train_step,
-)
+from obow.training.build import build_model, build_optimizer, prepare_step_model
+from obow.training.loop import Run, to_device, train_step
+from obow.training.precision import native_bf16, precision_context, resolve_precision
 
 MODES = ("obow", "floor", "supervised")
 

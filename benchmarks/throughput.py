@@ -1,7 +1,7 @@
 """End-to-end training throughput of a recipe for each data pipeline, with the loader alone and the step alone.
 
 For every pipeline named (``--pipelines workers device``: ``data.pipeline``), the run is built with the training
-loop's own builders (:func:`obow.training.loop.build_data`, ``build_model``, ``build_optimizer``) on the images of
+loop's own builders (:func:`obow.training.build.build_data`, ``build_model``, ``build_optimizer``) on the images of
 ``--data`` (repeated until there are at least ``--min-images``, so that small folders do not end an epoch every
 few batches), then three things are timed, each for ``--steps`` batches, in ``--rounds`` alternating rounds (the
 pipelines in a rotated order each round):
@@ -37,7 +37,8 @@ import torch
 
 from obow.config import Config, load_config
 from obow.data.folders import scan_images
-from obow.training.loop import Run, build_data, build_model, build_optimizer, prepare_step_model, train_step
+from obow.training.build import build_data, build_model, build_optimizer, prepare_step_model
+from obow.training.loop import Run, train_step
 
 
 def synchronize(device: torch.device) -> None:

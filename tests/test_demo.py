@@ -53,7 +53,7 @@ def test_digit_mosaics_are_reproducible(digits_root, tmp_path):
 
 
 def test_random_init_baseline_is_the_pretraining_runs_starting_network():
-    """The demo compares with 'the same network at its random initialisation': the weights that obow.training.loop
+    """The demo compares with 'the same network at its random initialisation': the weights that obow.training.build
     builds before its first step (seed, then OBoW.from_config)."""
     cfg = load_config("demo")
     torch.manual_seed(cfg.train.seed)

@@ -1,4 +1,4 @@
-"""The package's layers, checked: imports go down (README "Using the library"), and the light entry points
+"""The package's layers, checked: imports go down (docs/development.md, "The package"), and the light entry points
 (`import obow`, `import obow.config`, the command's parser) do not import PyTorch."""
 
 import ast

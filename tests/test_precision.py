@@ -23,7 +23,8 @@ import torch
 
 from obow.config import ModelConfig, load_config
 from obow.methods.obow import OBoW
-from obow.training import loop
+from obow.training import build
+from obow.training import precision as prec
 
 
 def test_bf16_step_runs_and_targets_match_float32():
@@ -60,7 +61,7 @@ def test_bf16_step_runs_and_targets_match_float32():
 
 
 def test_pytorch_says_whether_this_cpu_has_fast_bf16():
-    assert isinstance(loop.cpu_supports_bf16(), bool)  # None would silence the warning below everywhere
+    assert isinstance(prec.cpu_supports_bf16(), bool)  # None would silence the warning below everywhere
 
 
 @pytest.mark.parametrize(
@@ -70,11 +71,11 @@ def test_pytorch_says_whether_this_cpu_has_fast_bf16():
 def test_bf16_on_a_cpu_without_fast_bf16_runs_there_with_a_warning(
     monkeypatch, caplog, tiny_recipe, precision, fast_bf16, warned
 ):
-    monkeypatch.setattr(loop, "cpu_supports_bf16", lambda: fast_bf16)
+    monkeypatch.setattr(prec, "cpu_supports_bf16", lambda: fast_bf16)
     overrides = [f"train.precision={precision}", "train.device=cpu", "train.deterministic=false"]
     cfg = load_config(str(tiny_recipe), overrides)
     with caplog.at_level(logging.WARNING, logger="obow"):
-        device = loop.setup_process(cfg)
+        device = build.setup_process(cfg)
     assert device.type == "cpu"  # still runs, on the device asked for, at the precision asked for
     assert ("emulates bfloat16" in caplog.text) == warned
 
@@ -93,10 +94,10 @@ def test_auto_is_bf16_exactly_where_the_cpu_has_bf16_instructions():
         pytest.skip("needs an x86 CPU whose flags Linux lists in /proc/cpuinfo (the independent reference)")
     native = "avx512_bf16" in flags or "amx_bf16" in flags  # the instructions oneDNN's fast bf16 kernels use
     cpu = torch.device("cpu")
-    assert loop.native_bf16(cpu) is native
-    assert loop.resolve_precision("auto", cpu) == ("bf16" if native else "fp32")
+    assert prec.native_bf16(cpu) is native
+    assert prec.resolve_precision("auto", cpu) == ("bf16" if native else "fp32")
     for precision in ("fp32", "bf16", "fp16"):  # asked for: kept, even where slow (the warning says so)
-        assert loop.resolve_precision(precision, cpu) == precision
+        assert prec.resolve_precision(precision, cpu) == precision
 
 
 def test_an_auto_run_records_its_choice_and_a_resume_keeps_it_on_another_machine(
@@ -106,7 +107,7 @@ def test_an_auto_run_records_its_choice_and_a_resume_keeps_it_on_another_machine
     out = tmp_path / "run"
     args = ["pretrain", "--config", tiny_recipe, "--data", data, "--out", out, "train.precision=auto"]
     args += ["train.knn_every=0", "train.deterministic=false", "train.device=cpu"]  # a CPU even where a GPU is seen
-    monkeypatch.setattr(loop, "native_bf16", lambda device: True)  # a machine with AVX-512 BF16
+    monkeypatch.setattr(prec, "native_bf16", lambda device: True)  # a machine with AVX-512 BF16
     with caplog.at_level(logging.INFO, logger="obow"):
         obow_cli(*args, "optim.epochs=1")
     assert "train.precision=auto -> bf16 (native bf16 on this cpu)" in caplog.text
@@ -114,7 +115,7 @@ def test_an_auto_run_records_its_choice_and_a_resume_keeps_it_on_another_machine
     assert load_config(str(out / "config.yaml")).train.precision == "bf16"
     assert torch.load(out / "checkpoint.pt", weights_only=False)["config"]["train"]["precision"] == "bf16"
 
-    monkeypatch.setattr(loop, "native_bf16", lambda device: False)  # resumed (extended) on an AVX2 machine
+    monkeypatch.setattr(prec, "native_bf16", lambda device: False)  # resumed (extended) on an AVX2 machine
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="obow"):
         obow_cli(*args, "optim.epochs=2")

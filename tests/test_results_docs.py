@@ -1,6 +1,7 @@
 """The measured tables under ``docs/results/tables/`` are what the docs show: each ``table.md`` is the Markdown
 of its ``table.json`` (as ``obow tables run`` writes it), its rows appear verbatim in the full record
-(``docs/results/README.md``), and the headline tables' rows in the project README too."""
+(``docs/results/README.md``), the headline tables' rows in ``docs/paper-tables.md`` too, and every number of
+the project README's headline verdict is its table's mean ± deviation."""
 
 import json
 from pathlib import Path
@@ -11,8 +12,9 @@ from obow.experiments.tables import TABLES, markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = sorted((ROOT / "docs" / "results" / "tables").glob("*/table.json"))
-# The tables the project README shows beside the full record (its "What the tables measured" section).
+# The tables docs/paper-tables.md shows beside the full record (its "What the tables measured" section).
 HEADLINE = ("cifar10-mocov2", "imagenette-mocov2", "cifar10-table3")
+SUMMARY = ROOT / "docs" / "paper-tables.md"
 
 
 def _rows(path: Path) -> list[str]:
@@ -34,8 +36,8 @@ def test_committed_table_is_its_json_and_is_in_the_record(path):
     full = (ROOT / "docs" / "results" / "README.md").read_text()
     assert rows and all(line in full for line in rows), f"docs/results/README.md lacks {path.parent.name}'s rows"
     if path.parent.name in HEADLINE:
-        readme = (ROOT / "README.md").read_text()
-        assert all(line in readme for line in rows), f"README.md does not show {path.parent.name}'s rows"
+        summary = SUMMARY.read_text()
+        assert all(line in summary for line in rows), f"docs/paper-tables.md does not show {path.parent.name}'s rows"
 
 
 def test_the_readme_links_the_full_record():
@@ -53,14 +55,14 @@ def _sync_module():
 
 def test_every_table_has_its_block_and_every_block_is_its_table_md():
     """Each committed table is shown whole in the full record (a ``<!-- table NAME -->`` block equal to its
-    table.md, heading one level down), the headline tables in the README too: ``python docs/results/sync.py``
+    table.md, heading one level down), the headline tables in docs/paper-tables.md too: ``python docs/results/sync.py``
     rewrites stale blocks."""
     sync = _sync_module()
     full = (ROOT / "docs" / "results" / "README.md").read_text()
     blocks = {m["name"] for m in sync.BLOCK.finditer(full)}
     assert blocks == {p.parent.name for p in RESULTS}
-    readme_blocks = {m["name"] for m in sync.BLOCK.finditer((ROOT / "README.md").read_text())}
-    assert readme_blocks == set(HEADLINE)
+    summary_blocks = {m["name"] for m in sync.BLOCK.finditer(SUMMARY.read_text())}
+    assert summary_blocks == set(HEADLINE)
     for doc in sync.DOCS:
         assert sync.synced(doc.read_text())[1] == [], f"{doc.name}: stale blocks; run python docs/results/sync.py"
 
@@ -75,3 +77,68 @@ def test_sync_replaces_a_stale_block_and_leaves_the_rest():
     assert sync.block_text(name).startswith("#### ") and sync.synced(new)[1] == []
     with pytest.raises(FileNotFoundError, match="no-such-table"):
         sync.synced("<!-- table no-such-table -->\nx\n<!-- /table no-such-table -->")
+
+
+# The README's headline verdict: its rows, and the table and score of each column (dataset, score).
+VERDICT_ROWS = {
+    "random init (same network)": None,  # the table's random_init entry
+    "OBoW (full)": "OBoW (full)",
+    "MoCo v2 (same augmentations as OBoW)": "MoCo v2 (our aug.)",
+}
+VERDICT_COLUMNS = {
+    "CIFAR-10 kNN": ("cifar10-mocov2", "knn"),
+    "CIFAR-10 linear": ("cifar10-mocov2", "linear"),
+    "Imagenette kNN": ("imagenette-mocov2", "knn"),
+    "Imagenette linear": ("imagenette-mocov2", "linear"),
+}
+
+
+def _markdown_table(text: str, first_header: str) -> list[list[str]]:
+    """The cells of the Markdown table whose header row starts with ``| first_header |`` (separator dropped)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |"))
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        if not set(line) <= set("|-: "):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_the_readme_verdict_is_the_committed_tables():
+    """Every cell of the README's headline table is ``mean ± sample deviation`` of its row and score in the
+    committed table.json (2 decimals, as table.md writes them), and every row and column is one of those named
+    here, so that a number edited by hand, or a table re-measured without the README, fails."""
+    header, *body = _markdown_table((ROOT / "README.md").read_text(), "features")
+    assert header[1:] == list(VERDICT_COLUMNS)
+    assert [row[0] for row in body] == list(VERDICT_ROWS)
+    tables = {
+        name: json.loads((ROOT / "docs/results/tables" / name / "table.json").read_text())
+        for name, _ in VERDICT_COLUMNS.values()
+    }
+    for row in body:
+        label = VERDICT_ROWS[row[0]]
+        for cell, (name, score) in zip(row[1:], VERDICT_COLUMNS.values(), strict=True):
+            table = tables[name]
+            entry = table["random_init"] if label is None else next(r for r in table["rows"] if r["label"] == label)
+            assert len(entry["runs"]) == 2  # the README says two seeds
+            expected = f"{entry['mean'][score]:.2f} ± {entry['std'][score]:.2f}"
+            assert cell == expected, f"README {row[0]!r}, {name} {score}: {cell!r}, the table says {expected!r}"
+
+
+def test_the_readme_verdict_sentence_matches_the_numbers():
+    """The README says MoCo v2 with the same augmentations is ahead of OBoW (full) on both datasets at both
+    seeds, and gives OBoW's kNN gains over random init: both are checked against the table.json files."""
+    readme = (ROOT / "README.md").read_text()
+    assert "MoCo v2 with the same augmentations is ahead of OBoW (full) on both datasets" in readme
+    gains = []
+    for name in ("cifar10-mocov2", "imagenette-mocov2"):
+        table = json.loads((ROOT / "docs/results/tables" / name / "table.json").read_text())
+        rows = {r["label"]: r for r in table["rows"]}
+        for score in ("knn", "linear"):
+            obow = {r["seed"]: r["scores"][score] for r in rows["OBoW (full)"]["runs"]}
+            moco = {r["seed"]: r["scores"][score] for r in rows["MoCo v2 (our aug.)"]["runs"]}
+            assert obow.keys() == moco.keys() and all(moco[s] > obow[s] for s in obow), (name, score)
+        gains.append(rows["OBoW (full)"]["mean"]["knn"] - table["random_init"]["mean"]["knn"])
+    assert f"kNN +{gains[0]:.2f} and +{gains[1]:.2f} points over random init" in readme

@@ -26,7 +26,7 @@ from obow.experiments.tables import (
 )
 from obow.experiments.tables.plan import table_precision
 from obow.experiments.tables.records import _shared_text, machine_description
-from obow.training import loop
+from obow.training import precision as prec
 
 TINY = """
 description: tiny base for tables
@@ -454,7 +454,7 @@ def test_results_from_continues_a_published_table_on_another_machine_without_ret
 def test_a_table_keeps_the_precision_it_was_planned_at_on_any_machine(tmp_path, write_images, obow_cli, monkeypatch):
     """Rows are compared only at one precision: a table's plan.json records it, and a machine that would choose
     another for train.precision=auto (bf16 where native) continues the table at the plan's."""
-    monkeypatch.setattr(loop, "native_bf16", lambda device: True)  # this machine would choose bf16
+    monkeypatch.setattr(prec, "native_bf16", lambda device: True)  # this machine would choose bf16
     new, legacy, other = tmp_path / "new", tmp_path / "legacy", tmp_path / "other"
     assert table_precision(new, "auto", "cpu", [None]) == "bf16"  # a new table: the machine's choice
     assert table_precision(new, "fp32", "cpu", [None]) == "fp32"  # or what the call asks for

@@ -1,5 +1,5 @@
 """Copy each measured table into the docs that show it: every ``<!-- table NAME -->`` ... ``<!-- /table NAME -->``
-block of ``docs/results/README.md`` and of the project ``README.md`` becomes ``docs/results/tables/NAME/table.md``
+block of ``docs/results/README.md`` and of ``docs/paper-tables.md`` becomes ``docs/results/tables/NAME/table.md``
 with its heading one level down (``###`` -> ``####``). Run after copying a finished ``table.json``/``table.md`` here:
 
     python docs/results/sync.py          # rewrite the blocks
@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = ROOT / "docs" / "results" / "tables"
-DOCS = (ROOT / "docs" / "results" / "README.md", ROOT / "README.md")
+DOCS = (ROOT / "docs" / "results" / "README.md", ROOT / "docs" / "paper-tables.md")
 BLOCK = re.compile(r"<!-- table (?P<name>[\w.\-]+) -->\n(?P<body>.*?)<!-- /table (?P=name) -->", re.S)
 
 

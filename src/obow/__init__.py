@@ -18,6 +18,7 @@ _EXPORTS = {
     "MoCoV2": "obow.methods.mocov2",
     "ModelConfig": "obow.config",
     "OBoW": "obow.methods.obow",
+    "OBoWViews": "obow.data.transforms",
     "QueueVocabulary": "obow.bow.vocabulary",
     "ResNetBackbone": "obow.backbones",
     "RotNet": "obow.methods.rotnet",
@@ -25,9 +26,12 @@ _EXPORTS = {
     "TorchvisionBackbone": "obow.backbones",
     "build_backbone": "obow.backbones",
     "Vocabulary": "obow.bow.vocabulary",
+    "ViewsConfig": "obow.config",
     "WeightGenerator": "obow.bow.predictor",
     "bow_loss": "obow.bow.loss",
     "feature_map_size": "obow.backbones",
+    "load_backbone": "obow.weights.load",
+    "load_config": "obow.config",
 }
 #: Public submodules, also imported on first use (``obow.cutmix.cutmix``, ``obow.cutmix.draw_box``, ...).
 _SUBMODULES = {"cutmix": "obow.data.cutmix"}
@@ -41,17 +45,21 @@ __all__ = [
     "MoCoV2",
     "ModelConfig",
     "OBoW",
+    "OBoWViews",
     "QueueVocabulary",
     "ResNetBackbone",
     "RotNet",
     "TimmBackbone",
     "TorchvisionBackbone",
+    "ViewsConfig",
     "Vocabulary",
     "WeightGenerator",
     "bow_loss",
     "build_backbone",
     "cutmix",
     "feature_map_size",
+    "load_backbone",
+    "load_config",
 ]
 
 if TYPE_CHECKING:
@@ -60,12 +68,14 @@ if TYPE_CHECKING:
     from obow.bow.predictor import DynamicBoWPredictor, FixedBoWPredictor, WeightGenerator
     from obow.bow.targets import BoWExtractor
     from obow.bow.vocabulary import KMeansVocabulary, QueueVocabulary, Vocabulary
-    from obow.config import ModelConfig
+    from obow.config import ModelConfig, ViewsConfig, load_config
     from obow.data import cutmix
+    from obow.data.transforms import OBoWViews
     from obow.methods.bownet import BoWNet
     from obow.methods.mocov2 import MoCoV2
     from obow.methods.obow import OBoW
     from obow.methods.rotnet import RotNet
+    from obow.weights.load import load_backbone
 
 
 def __getattr__(name: str) -> Any:

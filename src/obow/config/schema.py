@@ -327,7 +327,7 @@ class TrainConfig:
     knn_temperature: float = 0.1
     progress_bar: bool = True
     tensorboard: bool = True
-    #: Intra-op threads of each training process; 0: chosen from the cores (see obow.training.loop.choose_threads)
+    #: Intra-op threads of each training process; 0: chosen from the cores (see obow.training.threads.choose_threads)
     threads: int = 0
 
     def __post_init__(self) -> None:

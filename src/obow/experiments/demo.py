@@ -7,7 +7,7 @@ says which class it is: OBoW's student, which predicts the whole image's bag of 
 and patches, has to learn what the strokes of each digit look like. A random network's pooled features
 follow how many digits there are, how large and where, more than which (kNN 13.9%, chance 10%).
 
-What was measured before settling on this (README, "What the demo shows"): on one digit per image (at random
+What was measured before settling on this (docs/demo.md): on one digit per image (at random
 placements, in random colours, or blended onto photographs, MNIST-M style) the demo's pretraining did not beat
 the random network's features reliably, and on the mosaics, more distinct images for the same number of steps
 (:data:`MOSAICS_PER_SCAN`) made the difference.
@@ -316,6 +316,6 @@ def print_table(
     )
     if gain <= 0:
         print(
-            "This run did not improve on the random network's features (see README, 'What the demo shows', for\n"
-            "what was measured and at which budgets OBoW does)."
+            "This run did not improve on the random network's features (docs/demo.md and docs/short-runs.md say\n"
+            "what was measured, and at which budgets OBoW does)."
         )

@@ -11,10 +11,16 @@ from typing import Any
 
 import torch
 
+from obow import distributed as D
 from obow.config import Config
 from obow.files import writing
 
 log = logging.getLogger("obow")
+
+
+def log_main(message: str, *args: Any, level: int = logging.INFO) -> None:
+    if D.is_main_process():
+        log.log(level, message, *args)
 
 
 class RunLogger:

@@ -12,38 +12,41 @@ uninterrupted run also passes through: at every epoch end, every ``train.checkpo
 ``train.checkpoint_minutes`` of training (so that a hard kill loses at most that much), and after SIGINT or
 SIGTERM, which let the step under way finish, write the checkpoint and stop (:class:`Interrupted`).
 
-Files in ``<out>``: see :mod:`obow.training.state`; logs: :mod:`obow.training.logger`.
+What a run is built from (process, device, data, method, optimiser): :mod:`obow.training.build`; its
+precision: :mod:`obow.training.precision`; its threads: :mod:`obow.training.threads`. Files in ``<out>``:
+:mod:`obow.training.state`; logs: :mod:`obow.training.logger`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
-import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
-import yaml
 from torch import nn
 
 from obow import distributed as D
 from obow.config import Config
-from obow.data.cache import build_cache
-from obow.data.device_loader import DeviceLoader
-from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loader, scan_images
-from obow.methods import build_batched_views, build_method, build_views, views_side
+from obow.data.folders import EpochSampler, ImageList
 from obow.methods.base import Method
 from obow.schedules import learning_rate
-from obow.training import PRECISIONS
+from obow.training.build import (
+    build_data,
+    build_model,
+    build_optimizer,
+    prepare_step_model,
+    setup_process,
+)
 from obow.training.lock import RunLock
-from obow.training.logger import RunLogger
+from obow.training.logger import RunLogger, log_main
+from obow.training.precision import precision_context, settle_precision
 from obow.training.state import (
     Interrupted,
     RunError,
@@ -51,10 +54,11 @@ from obow.training.state import (
     SignalFlag,
     handle_signals,
     open_run,
-    restore,
     save_run,
-    seed_run,
+    start_or_resume,
+    summary,
 )
+from obow.training.threads import chosen_threads
 
 __all__ = ["EPOCH_MEANS", "Interrupted", "RunError", "pretrain", "train_one_epoch", "train_step"]
 
@@ -208,40 +212,6 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
     return summary(out, state)
 
 
-def start_or_resume(
-    ckpt: dict[str, Any] | None,
-    model: Method,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    images: ImageList,
-    cfg: Config,
-    device: torch.device,
-    out: Path,
-) -> RunState:
-    """Where the run starts: the checkpoint's state loaded into the model, optimiser, scaler and random
-    generators; or, for a new run, the method's one-off preparation (e.g. BoWNet's off-line k-means) and
-    per-process seeds. Says which in the log."""
-    iters_per_epoch = len(images) // cfg.data.batch_size
-    if ckpt is not None:
-        state = restore(ckpt, model, optimizer, scaler, iters_per_epoch)
-        log_main(
-            "Resuming %s from iteration %d of %d (epoch %d, batch %d of %d)",
-            out,
-            state.iteration,
-            iters_per_epoch * cfg.optim.epochs,
-            state.epoch + 1,
-            state.batch_in_epoch,
-            iters_per_epoch,
-        )
-        return state
-    model.prepare(images, cfg, device)
-    seed_run(cfg.train.seed + D.rank())  # runtime randomness (queue sampling) differs per process
-    log_main(
-        "New run in %s (no checkpoint there): %d images, %d iterations per epoch", out, len(images), iters_per_epoch
-    )
-    return RunState()
-
-
 def train_epochs(run: Run, state: RunState, epoch_monitor: Monitor | None) -> None:
     """The remaining epochs, each ended by its record (plus the monitor's numbers when due) and a checkpoint;
     :class:`Interrupted` at the first step boundary after a signal."""
@@ -354,74 +324,6 @@ def log_interval(cfg: Config, total_iterations: int) -> int:
     return max(1, min(cfg.train.log_every, total_iterations // MIN_LOGGED_STEPS))
 
 
-def build_data(
-    cfg: Config, device: torch.device, images: ImageList | None = None
-) -> tuple[ImageList, EpochSampler, Iterable[dict[str, Any]]]:
-    """The training images (``images``, else those of ``data.path``) and their loader: every process sees its
-    share of each global batch, augmentations seeded per image (workers) or per global batch (device pipeline),
-    so a resumed epoch sees the same views."""
-    world = D.world_size()
-    if cfg.data.batch_size % world != 0:
-        raise RunError(f"data.batch_size ({cfg.data.batch_size}) must be divisible by the {world} processes")
-    if images is None:
-        images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
-    local_batch = cfg.data.batch_size // world
-    pipeline = data_pipeline(cfg, device)
-    if pipeline == "device":
-        cache = build_cache(images, views_side(cfg.views), cfg.data.cache_size, cfg.data.cache_dir)
-        images = cache.images
-    sampler = EpochSampler(len(images), local_batch, seed=cfg.train.seed, rank=D.rank(), world_size=world)
-    if pipeline == "device":
-        loader = DeviceLoader(cache, sampler, build_batched_views(cfg, cache.side), device, cfg.train.seed)
-        held = "; held on the GPU" if loader.where == "on the GPU" else ""
-        log_main("Data: views made on the %s from %s%s", device.type, cache.describe(), held)
-        return images, sampler, loader
-    loader = build_loader(
-        ImageDataset(images, build_views(cfg)),
-        sampler,
-        local_batch,
-        num_workers=cfg.data.num_workers,
-        pin_memory=cfg.data.pin_memory and device.type == "cuda",
-    )
-    log_main("Data: views made by %d loader worker(s)", cfg.data.num_workers)
-    return images, sampler, loader
-
-
-def data_pipeline(cfg: Config, device: torch.device) -> str:
-    """``data.pipeline`` for ``device``: ``auto`` makes the views on a GPU and in loader workers on a CPU."""
-    if cfg.data.pipeline != "auto":
-        return cfg.data.pipeline
-    return "device" if device.type == "cuda" else "workers"
-
-
-def build_model(cfg: Config, total_iterations: int, device: torch.device, resuming: bool = False) -> Method:
-    """The method of ``cfg`` on ``device``. The same seed on every process gives the same initial weights and
-    vocabulary; batch norm is synchronised across GPUs when asked (``train.sync_batchnorm``). ``resuming``: the
-    weights come from a checkpoint next (so BoWNet does not read its teacher file)."""
-    torch.manual_seed(cfg.train.seed)
-    model = build_method(cfg, total_iterations, resuming=resuming)
-    if D.is_distributed() and device.type == "cuda" and cfg.train.sync_batchnorm:
-        model.student = nn.SyncBatchNorm.convert_sync_batchnorm(model.student)
-        if model.teacher is not None:
-            model.teacher = nn.SyncBatchNorm.convert_sync_batchnorm(model.teacher)
-    model.to(device)
-    if cfg.train.channels_last:
-        model.to(memory_format=torch.channels_last)
-    return model
-
-
-def prepare_step_model(model: Method, cfg: Config, device: torch.device) -> nn.Module:
-    """What each step calls: the model, wrapped for DDP when distributed; its networks compiled when asked."""
-    step_model: nn.Module = model
-    if D.is_distributed():
-        step_model = D.ddp_without_buffer_sync(model, [device.index] if device.type == "cuda" else None)
-    if cfg.train.compile:
-        model.student.compile()
-        if model.teacher is not None:
-            model.teacher.compile()
-    return step_model
-
-
 def make_monitor(
     factory: MonitorFactory | None, cfg: Config, images: ImageList, device: torch.device
 ) -> Monitor | None:
@@ -433,21 +335,6 @@ def make_monitor(
             log.info("kNN monitor off: pretrain was given no monitor (obow pretrain passes KNNMonitor)")
         return None
     return factory(cfg, images, device)
-
-
-def log_main(message: str, *args: Any, level: int = logging.INFO) -> None:
-    if D.is_main_process():
-        log.log(level, message, *args)
-
-
-def summary(out: Path, state: RunState) -> dict[str, Any]:
-    return {
-        "out": str(out),
-        "epochs": state.epoch,
-        "iteration": state.iteration,
-        "loss": state.history[-1]["loss"] if state.history else None,
-        "checkpoint": str(out / "checkpoint.pt"),
-    }
 
 
 def forward_backward(
@@ -485,172 +372,6 @@ def forward_backward(
     return metrics
 
 
-def setup_process(cfg: Config) -> torch.device:
-    """Join the process group when launched by ``torchrun``; choose the device; set determinism."""
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not D.is_distributed():
-        use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise RunError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
-    if cfg.train.device != "cpu" and torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = not cfg.train.deterministic
-    else:
-        device = torch.device("cpu")
-    if cfg.train.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-    if cfg.train.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise RunError("train.precision=bf16 needs a GPU with bfloat16 support; use fp16 or fp32")
-    if cfg.train.precision == "bf16" and device.type == "cpu" and cpu_supports_bf16() is False:
-        log_main(
-            "train.precision=bf16 on a CPU without AVX-512: PyTorch emulates bfloat16 there, and a step is far "
-            "slower than in fp32 (20 to 35 times for the cifar10_fast and demo recipes on a 2-core AVX2 EPYC; "
-            "benchmarks/step_time.py measures it); train.precision=fp32 is the faster choice on this machine",
-            level=logging.WARNING,
-        )
-    return device
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether ``device`` computes bfloat16 in hardware, where bf16 autocast is the faster choice: a CUDA GPU
-    with bfloat16 arithmetic (compute capability 8.0 and above), or an x86 CPU with AVX-512 BF16 or AMX
-    instructions. Measured on 2-core AMD EPYCs (docs/results/step_time_cpu.md): with AVX-512 BF16 a
-    ``cifar10_fast`` step is 2.1x faster in bf16 than in fp32 (2.5x with channels_last), on an AVX2-only one
-    20x slower (PyTorch emulates bfloat16 there). Other CPUs (Arm's bf16 extension among them) answer ``False``:
-    not measured."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    if device.type != "cpu":
-        return False
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    return any(bool(check()) for check in checks if check is not None)
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """``train.precision`` as a run computes it: ``auto`` is bf16 where :func:`native_bf16`, else fp32; the
-    other values are themselves."""
-    if precision != "auto":
-        return precision
-    return "bf16" if native_bf16(device) else "fp32"
-
-
-def settle_precision(cfg: Config, out: Path, device: torch.device) -> Config:
-    """``cfg`` with ``train.precision: auto`` made concrete for the run in ``out``: a run being resumed keeps the
-    precision it started with (its ``config.yaml`` holds it; a resume on another machine computes as the run
-    did, exactly), a new run takes :func:`resolve_precision`'s choice for ``device``. Every other ``cfg`` is
-    returned as it is. ``config.yaml`` and the checkpoint then hold the concrete value."""
-    if cfg.train.precision != "auto":
-        return cfg
-    started = started_precision(out)
-    precision = started or resolve_precision("auto", device)
-    why = (
-        "as the run started"
-        if started
-        else f"{'native' if precision == 'bf16' else 'no native'} bf16 on this {device.type}"
-    )
-    log_main("Precision: train.precision=auto -> %s (%s)", precision, why)
-    if precision == "bf16" and device.type == "cpu" and not native_bf16(device):
-        log_main(
-            "this run started in bf16 on a CPU with bf16 instructions; this one has none and emulates bfloat16, far "
-            "slower than fp32: the run keeps bf16 to resume exactly (a new --out can start in fp32 here)",
-            level=logging.WARNING,
-        )
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
-
-
-def started_precision(out: Path) -> str | None:
-    """The ``train.precision`` of the run in ``out`` that a checkpoint can resume, from its ``config.yaml``
-    (``None``: no such run, or none recorded)."""
-    saved = out / "config.yaml"
-    if not (out / "checkpoint.pt").is_file() or not saved.is_file():
-        return None
-    precision = (yaml.safe_load(saved.read_text()) or {}).get("train", {}).get("precision")
-    return precision if precision in PRECISIONS and precision != "auto" else None
-
-
-def cpu_supports_bf16() -> bool | None:
-    """Whether PyTorch's oneDNN has fast bfloat16 kernels for this CPU (they need AVX-512 or Arm's bf16
-    extension); ``None`` when this PyTorch cannot say."""
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(check()) if check is not None else None
-
-
-@contextlib.contextmanager
-def chosen_threads(cfg: Config) -> Iterator[None]:
-    """Run with :func:`choose_threads`'s choice (said in the run's header), then restore the caller's."""
-    threads, why = choose_threads(cfg)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    log_main("Threads: %d per training process (%s); 1 per data-loading worker", threads, why)
-    hint = busy_machine_hint(threads, why)
-    if hint:
-        log_main("Threads: %s", hint, level=logging.WARNING)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-def choose_threads(cfg: Config, environ: dict[str, str] | None = None, cores: int | None = None) -> tuple[int, str]:
-    """Intra-op threads for each training process, and why: ``train.threads`` when set; else the user's
-    ``OMP_NUM_THREADS``; else the cores this process may use, shared by the training processes of this machine
-    (``LOCAL_WORLD_SIZE``). Data-loading workers are not subtracted: on a quiet 2-core machine they need little
-    of a core for small images, and one training thread beside one worker gave 0.58x the images/s of two
-    threads (``cifar10_fast``) and 0.68x (``demo``) (``benchmarks/threads.py``). On a machine that other jobs
-    keep busy the opposite holds (one thread was 3.3x faster there): :func:`busy_machine_hint` says so."""
-    environ = os.environ if environ is None else environ
-    if cfg.train.threads:
-        return cfg.train.threads, "train.threads"
-    if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
-        return int(environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
-    if cores is None:
-        cores = available_cores()
-    processes = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
-    threads = max(1, cores // processes)
-    return threads, f"{cores} cores, {processes} training process(es) here"
-
-
-def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def busy_machine_hint(threads: int, why: str, load: float | None = None, cores: int | None = None) -> str | None:
-    """A hint when the machine was busy before the run started (the 1-minute load average at least its cores)
-    and the threads were chosen, not set: oversubscribed cores make each step wait for its slowest thread (a
-    tiny run took 43.5 s an epoch with 2 threads beside a neighbour's job, 2.0 s with one)."""
-    if why in ("train.threads", "OMP_NUM_THREADS"):
-        return None
-    cores = available_cores() if cores is None else cores
-    if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except OSError:
-            return None
-    if load < cores or threads == 1:
-        return None
-    return (
-        f"this machine is busy (load {load:.1f} on {cores} cores): if other jobs keep running, one thread per "
-        "process (OMP_NUM_THREADS=1 or train.threads=1) can be several times faster"
-    )
-
-
-def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """SGD over the student and the head. The official code decays every parameter (BN and biases too);
-    ``optim.decay_norm_and_bias: false`` exempts one-dimensional parameters instead."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.optim.decay_norm_and_bias:
-        groups = [{"params": params, "weight_decay": cfg.optim.weight_decay}]
-    else:
-        groups = [
-            {"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.optim.weight_decay},
-            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
-        ]
-    return torch.optim.SGD(groups, lr=cfg.optim.lr, momentum=cfg.optim.momentum, nesterov=cfg.optim.nesterov)
-
-
 def to_device(views: dict[str, torch.Tensor], device: torch.device, channels_last: bool):
     """The teacher batch and the student's view groups (crops, then patches) on ``device``."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -659,13 +380,3 @@ def to_device(views: dict[str, torch.Tensor], device: torch.device, channels_las
         return x.to(device, non_blocking=True, memory_format=fmt) if x.dim() == 4 else x.to(device, non_blocking=True)
 
     return move(views["teacher"]), [move(views[k]) for k in ("crops", "patches") if k in views]
-
-
-def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """Autocast for bf16 / fp16 (the BoW distances and codes stay in float32 inside the extractor); ``auto`` as
-    :func:`resolve_precision` makes it."""
-    precision = resolve_precision(precision, device)
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device.type, dtype=dtype)

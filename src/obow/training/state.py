@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,7 +33,12 @@ from torch import nn
 from obow import distributed as D
 from obow.config import Config, from_dict, save_config, to_dict
 from obow.files import make_folder, writing
+from obow.training.logger import log_main
 from obow.weights.checkpoint import build_checkpoint, load_checkpoint, save_atomic
+
+if TYPE_CHECKING:
+    from obow.data.folders import ImageList
+    from obow.methods.base import Method
 
 log = logging.getLogger("obow")
 
@@ -397,3 +402,47 @@ def handle_signals(announce: bool = True) -> Iterator[SignalFlag]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def start_or_resume(
+    ckpt: dict[str, Any] | None,
+    model: Method,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    images: ImageList,
+    cfg: Config,
+    device: torch.device,
+    out: Path,
+) -> RunState:
+    """Where the run starts: the checkpoint's state loaded into the model, optimiser, scaler and random
+    generators; or, for a new run, the method's one-off preparation (e.g. BoWNet's off-line k-means) and
+    per-process seeds. Says which in the log."""
+    iters_per_epoch = len(images) // cfg.data.batch_size
+    if ckpt is not None:
+        state = restore(ckpt, model, optimizer, scaler, iters_per_epoch)
+        log_main(
+            "Resuming %s from iteration %d of %d (epoch %d, batch %d of %d)",
+            out,
+            state.iteration,
+            iters_per_epoch * cfg.optim.epochs,
+            state.epoch + 1,
+            state.batch_in_epoch,
+            iters_per_epoch,
+        )
+        return state
+    model.prepare(images, cfg, device)
+    seed_run(cfg.train.seed + D.rank())  # runtime randomness (queue sampling) differs per process
+    log_main(
+        "New run in %s (no checkpoint there): %d images, %d iterations per epoch", out, len(images), iters_per_epoch
+    )
+    return RunState()
+
+
+def summary(out: Path, state: RunState) -> dict[str, Any]:
+    return {
+        "out": str(out),
+        "epochs": state.epoch,
+        "iteration": state.iteration,
+        "loss": state.history[-1]["loss"] if state.history else None,
+        "checkpoint": str(out / "checkpoint.pt"),
+    }

@@ -73,12 +73,12 @@ def table_precision(folder: Path, asked: str, device: str, sources: list[str | P
     comparable whatever machine continues it: the precision in its ``plan.json``, or in the plans of the folders
     it takes plan, results or timed steps from (``sources``: ``--results-from``, ``--shared-from``,
     ``--timing-from``, ``--time-against``; they must agree); for a new table, ``asked`` (the recipe's
-    ``train.precision`` with this call's changes) as :func:`obow.training.loop.resolve_precision` makes it on
+    ``train.precision`` with this call's changes) as :func:`obow.training.precision.resolve_precision` makes it on
     ``device`` (``auto``: bf16 where it is native). A ``ValueError`` when the plans disagree, or when ``asked``
     is neither ``auto`` nor theirs."""
     import torch
 
-    from obow.training.loop import resolve_precision
+    from obow.training.precision import resolve_precision
 
     plans = [folder / "plan.json", *(Path(source) / "plan.json" for source in sources if source is not None)]
     found = {

@@ -84,7 +84,7 @@ def run_table(
     from obow.data.eval_sets import align_classes, eval_dataset
     from obow.data.folders import scan_images
     from obow.training.lock import RunLock
-    from obow.training.loop import available_cores
+    from obow.training.threads import available_cores
 
     if name not in TABLES:
         raise ValueError(f"unknown table {name!r}; choose one of: {', '.join(TABLES)}")

@@ -1,0 +1,137 @@
+"""The parts of a run, built from its recipe: the process and its device (:func:`setup_process`), the data
+(:func:`build_data`: images, sampler and loader, with views made in loader workers or on the training device,
+``data.pipeline``), the method (:func:`build_model`), the optimiser (:func:`build_optimizer`) and what each
+step calls (:func:`prepare_step_model`). :mod:`obow.training.loop` and the benchmarks use the same builders."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from obow import distributed as D
+from obow.config import Config
+from obow.data.cache import build_cache
+from obow.data.device_loader import DeviceLoader
+from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loader, scan_images
+from obow.methods import build_batched_views, build_method, build_views, views_side
+from obow.methods.base import Method
+from obow.training.logger import log_main
+from obow.training.precision import check_precision
+from obow.training.state import RunError
+
+__all__ = [
+    "build_data",
+    "build_model",
+    "build_optimizer",
+    "data_pipeline",
+    "prepare_step_model",
+    "setup_process",
+]
+
+
+def setup_process(cfg: Config) -> torch.device:
+    """Join the process group when launched by ``torchrun``; choose the device; set determinism."""
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not D.is_distributed():
+        use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise RunError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+    if cfg.train.device != "cpu" and torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = not cfg.train.deterministic
+    else:
+        device = torch.device("cpu")
+    if cfg.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    check_precision(cfg, device)
+    return device
+
+
+def build_data(
+    cfg: Config, device: torch.device, images: ImageList | None = None
+) -> tuple[ImageList, EpochSampler, Iterable[dict[str, Any]]]:
+    """The training images (``images``, else those of ``data.path``) and their loader: every process sees its
+    share of each global batch, augmentations seeded per image (workers) or per global batch (device pipeline),
+    so a resumed epoch sees the same views."""
+    world = D.world_size()
+    if cfg.data.batch_size % world != 0:
+        raise RunError(f"data.batch_size ({cfg.data.batch_size}) must be divisible by the {world} processes")
+    if images is None:
+        images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
+    local_batch = cfg.data.batch_size // world
+    pipeline = data_pipeline(cfg, device)
+    if pipeline == "device":
+        cache = build_cache(images, views_side(cfg.views), cfg.data.cache_size, cfg.data.cache_dir)
+        images = cache.images
+    sampler = EpochSampler(len(images), local_batch, seed=cfg.train.seed, rank=D.rank(), world_size=world)
+    if pipeline == "device":
+        loader = DeviceLoader(cache, sampler, build_batched_views(cfg, cache.side), device, cfg.train.seed)
+        held = "; held on the GPU" if loader.where == "on the GPU" else ""
+        log_main("Data: views made on the %s from %s%s", device.type, cache.describe(), held)
+        return images, sampler, loader
+    loader = build_loader(
+        ImageDataset(images, build_views(cfg)),
+        sampler,
+        local_batch,
+        num_workers=cfg.data.num_workers,
+        pin_memory=cfg.data.pin_memory and device.type == "cuda",
+    )
+    log_main("Data: views made by %d loader worker(s)", cfg.data.num_workers)
+    return images, sampler, loader
+
+
+def data_pipeline(cfg: Config, device: torch.device) -> str:
+    """``data.pipeline`` for ``device``: ``auto`` makes the views on a GPU and in loader workers on a CPU."""
+    if cfg.data.pipeline != "auto":
+        return cfg.data.pipeline
+    return "device" if device.type == "cuda" else "workers"
+
+
+def build_model(cfg: Config, total_iterations: int, device: torch.device, resuming: bool = False) -> Method:
+    """The method of ``cfg`` on ``device``. The same seed on every process gives the same initial weights and
+    vocabulary; batch norm is synchronised across GPUs when asked (``train.sync_batchnorm``). ``resuming``: the
+    weights come from a checkpoint next (so BoWNet does not read its teacher file)."""
+    torch.manual_seed(cfg.train.seed)
+    model = build_method(cfg, total_iterations, resuming=resuming)
+    if D.is_distributed() and device.type == "cuda" and cfg.train.sync_batchnorm:
+        model.student = nn.SyncBatchNorm.convert_sync_batchnorm(model.student)
+        if model.teacher is not None:
+            model.teacher = nn.SyncBatchNorm.convert_sync_batchnorm(model.teacher)
+    model.to(device)
+    if cfg.train.channels_last:
+        model.to(memory_format=torch.channels_last)
+    return model
+
+
+def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """SGD over the student and the head. The official code decays every parameter (BN and biases too);
+    ``optim.decay_norm_and_bias: false`` exempts one-dimensional parameters instead."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optim.decay_norm_and_bias:
+        groups = [{"params": params, "weight_decay": cfg.optim.weight_decay}]
+    else:
+        groups = [
+            {"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.optim.weight_decay},
+            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+        ]
+    return torch.optim.SGD(groups, lr=cfg.optim.lr, momentum=cfg.optim.momentum, nesterov=cfg.optim.nesterov)
+
+
+def prepare_step_model(model: Method, cfg: Config, device: torch.device) -> nn.Module:
+    """What each step calls: the model, wrapped for DDP when distributed; its networks compiled when asked."""
+    step_model: nn.Module = model
+    if D.is_distributed():
+        step_model = D.ddp_without_buffer_sync(model, [device.index] if device.type == "cuda" else None)
+    if cfg.train.compile:
+        model.student.compile()
+        if model.teacher is not None:
+            model.teacher.compile()
+    return step_model

@@ -1,0 +1,74 @@
+"""Intra-op threads of a training process (:func:`choose_threads`), and the hint for a busy machine."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+
+from obow.config import Config
+from obow.training.logger import log_main
+
+__all__ = ["available_cores", "busy_machine_hint", "choose_threads", "chosen_threads"]
+
+
+@contextlib.contextmanager
+def chosen_threads(cfg: Config) -> Iterator[None]:
+    """Run with :func:`choose_threads`'s choice (said in the run's header), then restore the caller's."""
+    threads, why = choose_threads(cfg)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    log_main("Threads: %d per training process (%s); 1 per data-loading worker", threads, why)
+    hint = busy_machine_hint(threads, why)
+    if hint:
+        log_main("Threads: %s", hint, level=logging.WARNING)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def choose_threads(cfg: Config, environ: dict[str, str] | None = None, cores: int | None = None) -> tuple[int, str]:
+    """Intra-op threads for each training process, and why: ``train.threads`` when set; else the user's
+    ``OMP_NUM_THREADS``; else the cores this process may use, shared by the training processes of this machine
+    (``LOCAL_WORLD_SIZE``). Data-loading workers are not subtracted: on a quiet 2-core machine they need little
+    of a core for small images, and one training thread beside one worker gave 0.58x the images/s of two
+    threads (``cifar10_fast``) and 0.68x (``demo``) (``benchmarks/threads.py``). On a machine that other jobs
+    keep busy the opposite holds (one thread was 3.3x faster there): :func:`busy_machine_hint` says so."""
+    environ = os.environ if environ is None else environ
+    if cfg.train.threads:
+        return cfg.train.threads, "train.threads"
+    if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
+        return int(environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
+    if cores is None:
+        cores = available_cores()
+    processes = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
+    threads = max(1, cores // processes)
+    return threads, f"{cores} cores, {processes} training process(es) here"
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def busy_machine_hint(threads: int, why: str, load: float | None = None, cores: int | None = None) -> str | None:
+    """A hint when the machine was busy before the run started (the 1-minute load average at least its cores)
+    and the threads were chosen, not set: oversubscribed cores make each step wait for its slowest thread (a
+    tiny run took 43.5 s an epoch with 2 threads beside a neighbour's job, 2.0 s with one)."""
+    if why in ("train.threads", "OMP_NUM_THREADS"):
+        return None
+    cores = available_cores() if cores is None else cores
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            return None
+    if load < cores or threads == 1:
+        return None
+    return (
+        f"this machine is busy (load {load:.1f} on {cores} cores): if other jobs keep running, one thread per "
+        "process (OMP_NUM_THREADS=1 or train.threads=1) can be several times faster"
+    )

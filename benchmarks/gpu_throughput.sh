@@ -69,7 +69,7 @@ export OUT C10 INETTE DEVICE WORKERS CACHE B_BIG B_LIB B_REC QUAL QEPOCHS FAST P
 
 part env 20 bash -c 'nproc; nvidia-smi -L 2>/dev/null; python3 -c "import torch, torchvision; print(torch.__version__, torchvision.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0))"'
 part c10r18 80 $TP --config cifar10_resnet18 --data "$C10/train" --steps $S1 $B_REC --label "recipe: batch 128, fp32"
-part c10r18_big 40 $TP --pipelines device --config cifar10_resnet18 --data "$C10/train" --steps $S2 data.batch_size=$B_BIG $FAST
+part c10r18_big 50 $TP --pipelines device --diagnose every logged --config cifar10_resnet18 --data "$C10/train" --steps $S2 data.batch_size=$B_BIG $FAST
 part c10fast_big 35 $TP --pipelines device --config cifar10_fast --data "$C10/train" --steps $S2 data.batch_size=$B_BIG $FAST
 part in20 40 $TP --pipelines device --config imagenet20_resnet18_full --data "$INETTE/train" --steps $S2 $B_REC data.images_per_class=null $FAST
 part r50 45 $TP --pipelines device --config imagenet_resnet50_full --data "$INETTE/train" --steps $S2 data.batch_size=$B_R50 data.images_per_class=null $FAST

@@ -12,8 +12,10 @@ pipelines in a rotated order each round):
   gathering and rendering on the device);
 * **step alone**: ``train_step`` again and again on one batch already on the device.
 
-Before each timing of a worker loader, the batches its workers had prefetched meanwhile are taken untimed, so
-that a buffer filled during another measurement is not counted. Images per second count source images (each
+The step computes the collapse diagnostics on every ``train.log_every``-th step, as ``obow pretrain`` does
+(``--diagnose every logged`` times both settings in the same rounds). Before each timing of a worker loader, the
+batches its workers had prefetched meanwhile are taken untimed, so that a buffer filled during another
+measurement is not counted. Images per second count source images (each
 makes the recipe's teacher view, crops and patches). Prints a Markdown table; ``--json`` writes the numbers.
 
     python benchmarks/throughput.py --config cifar10_resnet18 --data /tmp/c10/train --device cuda --workers 12
@@ -62,10 +64,12 @@ class Setup:
     run: Run
     batches: Iterator[dict[str, Any]]
     prefetched: int  # batches a worker loader holds ready (taken untimed before each timing)
+    diagnose_every: int = 1  # the step computes the collapse diagnostics every this many steps
+    steps: int = 0
     fixed: dict[str, torch.Tensor] | None = None
 
 
-def build(name: str, cfg: Config, device: torch.device, min_images: int) -> Setup:
+def build(name: str, cfg: Config, device: torch.device, min_images: int, diagnose: str = "logged") -> Setup:
     images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
     repeats = max(1, -(-min_images // len(images)))
     images = dataclasses.replace(
@@ -77,11 +81,14 @@ def build(name: str, cfg: Config, device: torch.device, min_images: int) -> Setu
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
     run = Run(cfg, Path("."), device, model, prepare_step_model(model, cfg, device), optimizer, scaler, sampler,
               loader, len(images) // cfg.data.batch_size, None, None)  # fmt: skip
-    workers = cfg.data.num_workers if name == "workers" else 0
-    return Setup(name, cfg, run, endless(loader, sampler), prefetched=2 * workers)
+    workers = cfg.data.num_workers if cfg.data.pipeline == "workers" else 0
+    every = cfg.train.log_every if diagnose == "logged" else 1
+    return Setup(name, cfg, run, endless(loader, sampler), prefetched=2 * workers, diagnose_every=every)
 
 
 def step(setup: Setup, batch: dict[str, Any]) -> None:
+    setup.steps += 1
+    setup.run.model.diagnose = setup.steps % setup.diagnose_every == 0  # as the loop: on its logged steps
     train_step(setup.run, batch["image"], setup.cfg.optim.lr)
 
 
@@ -120,18 +127,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cache-dir", default=None, help="data.cache_dir of the device pipeline")
     parser.add_argument("--json", default=None, help="write the numbers here")
     parser.add_argument("--label", default="", help="a name for this setting in the output")
+    parser.add_argument(
+        "--diagnose",
+        nargs="+",
+        default=["logged"],
+        choices=["logged", "every"],
+        help="collapse diagnostics on the loop's logged steps (every train.log_every-th, as obow "
+        "pretrain) or on every step (as before 2026-11-27); both: compared in the same rounds",
+    )
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     setups = []
-    for name in args.pipelines:
-        overrides = [f"data.path={args.data}", f"data.pipeline={name}", f"data.num_workers={args.workers}",
+    for pipeline in args.pipelines:
+        overrides = [f"data.path={args.data}", f"data.pipeline={pipeline}", f"data.num_workers={args.workers}",
                      f"train.device={device.type}", *args.overrides]  # fmt: skip
         if args.cache_dir:
             overrides.append(f"data.cache_dir={args.cache_dir}")
-        setups.append(build(name, load_config(args.config, overrides), device, args.min_images))
+        for diagnose in args.diagnose:
+            name = pipeline if len(args.diagnose) == 1 else f"{pipeline}, diagnostics {diagnose}"
+            setups.append(build(name, load_config(args.config, overrides), device, args.min_images, diagnose))
     for setup in setups:
         for _ in range(args.warmup):
             step(setup, next(setup.batches))
@@ -154,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("| pipeline | end to end img/s | loader alone img/s | step alone img/s |")
     print("|---|---|---|---|")
     for name, r in rates.items():
-        workers = f" ({args.workers})" if name == "workers" else ""
+        workers = f" ({args.workers} workers)" if name.startswith("workers") else ""
         print(f"| {name}{workers} | {r['end_to_end']:,.0f} | {r['loader']:,.0f} | {r['step']:,.0f} |")
     if len(rates) == 2 and "workers" in rates and "device" in rates:
         print(f"device / workers end to end: {rates['device']['end_to_end'] / rates['workers']['end_to_end']:.2f}")
@@ -166,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "precision": cfg.train.precision,
         "channels_last": cfg.train.channels_last,
         "workers": args.workers,
+        "diagnose": args.diagnose,
         "steps": args.steps,
         "rounds": args.rounds,
         "overrides": args.overrides,

@@ -253,7 +253,7 @@ class MoCoV2(Method):
         views = groups[g]
         n = views.shape[1]
         features = self.student(views.flatten(0, 1)).pool5
-        if g == 0 and features.shape[0] > 1:  # collapse diagnostics, on the first group's views
+        if self.diagnose and g == 0 and features.shape[0] > 1:  # collapse diagnostics, on the first group's views
             metrics.update({f"student/{k}": v for k, v in feature_diagnostics(features).items()})
         queries = F.normalize(at_least_float32(self.projector(features)), dim=1)
         keys = state["keys"].repeat_interleave(n, dim=0)  # the views are image-major: image i's views are rows i*n..

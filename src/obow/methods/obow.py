@@ -201,14 +201,14 @@ class OBoW(Method):
             targets = {level: mix_targets(t, perm, mix_weights) for level, t in targets.items()}  # [B, n, K]
             metrics[f"cutmix/group{g}/weight"] = torch.tensor(box.weight)
         features = self.student(views.flatten(0, 1)).pool5
-        if g == 0 and features.shape[0] > 1:  # collapse diagnostics, on the first group's views
+        if self.diagnose and g == 0 and features.shape[0] > 1:  # collapse diagnostics, on the first group's views
             metrics.update({f"student/{k}": v for k, v in feature_diagnostics(features).items()})
         logits = self.predictor(features, weights)
         level_losses = []
         for level, z in zip(self.levels, logits, strict=True):
             level_loss = bow_loss(z.view(batch, n, -1), targets[level])
             metrics[f"loss/group{g}/{level}"] = level_loss.detach()
-            if g == 0:  # can the student tell images apart yet? (its predictions against its targets' spread)
+            if self.diagnose and g == 0:  # can the student tell images apart yet? (predictions against targets)
                 metrics.update({f"{level}/{k}": v for k, v in prediction_diagnostics(z).items()})
             level_losses.append(level_loss)
         group_loss = torch.stack(level_losses).mean()

@@ -83,6 +83,6 @@ class RotNet(Method):
             "rotnet/accuracy": (logits.detach().argmax(dim=1) == labels).float().mean(),
         }
         upright = features[: images.shape[0]]  # diagnostics on the images as they are (rotation 0)
-        if upright.shape[0] > 1:
+        if self.diagnose and upright.shape[0] > 1:
             metrics.update({f"student/{k}": v for k, v in feature_diagnostics(upright).items()})
         return StepOutput(loss=loss, metrics=metrics, targets={})

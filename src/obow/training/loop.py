@@ -64,7 +64,8 @@ __all__ = ["EPOCH_MEANS", "Interrupted", "RunError", "pretrain", "train_one_epoc
 
 log = logging.getLogger("obow")
 
-#: Step metrics averaged over each epoch, and their names in the epoch record.
+#: Step metrics averaged over each epoch (the loss over every step, the diagnostics over the logged steps, where
+#: they are computed: :func:`logged_step`), and their names in the epoch record.
 EPOCH_MEANS = {
     "loss": "loss",
     "student/effective_rank": "effective_rank",
@@ -240,6 +241,7 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
     state.epoch_sums = {key: torch.tensor(state.epoch_sums.get(key, 0.0), device=run.device) for key in EPOCH_MEANS}
     total_iters = run.iters_per_epoch * cfg.optim.epochs
     progress = run.logger.progress(epoch, state.batch_in_epoch, run.iters_per_epoch, total_iters, state.iteration)
+    interval = log_interval(cfg, total_iters)
     for batch in run.loader:
         lr = learning_rate(
             state.iteration,
@@ -250,6 +252,7 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
             end_lr=cfg.optim.end_lr,
             cosine_per_epoch=cfg.optim.cosine_per_epoch,
         )
+        run.model.diagnose = logged_step(state.iteration + 1, interval, state.batch_in_epoch + 1 == run.iters_per_epoch)
         metrics = train_step(run, batch["image"], lr)
         state.iteration += 1
         state.batch_in_epoch += 1
@@ -257,7 +260,7 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
         for key, total in state.epoch_sums.items():
             total += metrics.get(key, 0.0)
         note_skipped(state, batch["skipped"])
-        if state.iteration % log_interval(cfg, total_iters) == 0 or state.batch_in_epoch == run.iters_per_epoch:
+        if logged_step(state.iteration, interval, state.batch_in_epoch == run.iters_per_epoch):
             values = {k: float(v) for k, v in metrics.items()}
             if not math.isfinite(values["loss"]):
                 raise RunError(
@@ -270,7 +273,11 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
             step_boundary(run, state)
     progress.close()
     steps = max(state.epoch_steps, 1)
-    means = {key: float(D.all_reduce_mean(total / steps)) for key, total in state.epoch_sums.items()}
+    diagnosed = max(logged_steps(state.iteration - state.epoch_steps, state.epoch_steps, interval), 1)
+    means = {
+        key: float(D.all_reduce_mean(total / (steps if key == "loss" else diagnosed)))
+        for key, total in state.epoch_sums.items()
+    }
     return {
         "epoch": epoch + 1,
         "iteration": state.iteration,
@@ -316,6 +323,21 @@ def note_skipped(state: RunState, skipped: list[str]) -> None:
     for path in sorted(new):
         log.warning("skipped unreadable image %s", path)
     state.skipped |= new
+
+
+def logged_step(iteration: int, interval: int, last_of_epoch: bool) -> bool:
+    """Whether step ``iteration`` (counted from 1) is logged, and so computes its diagnostics: every
+    ``interval``-th step and each epoch's last."""
+    return iteration % interval == 0 or last_of_epoch
+
+
+def logged_steps(first: int, steps: int, interval: int) -> int:
+    """How many of the ``steps`` steps after iteration ``first`` (``first + 1 ... first + steps``, an epoch's
+    steps so far, its last among them) are logged: every ``interval``-th, and the last if it is not one."""
+    if steps <= 0:
+        return 0
+    end = first + steps
+    return end // interval - first // interval + (end % interval != 0)
 
 
 def log_interval(cfg: Config, total_iterations: int) -> int:

@@ -57,3 +57,38 @@ def test_bad_shapes_are_rejected():
         effective_rank(torch.ones(3))
     with pytest.raises(ValueError, match="N >= 2"):
         mean_pairwise_cosine(torch.ones(1, 3))
+
+
+@pytest.mark.parametrize("interval", [1, 3, 4, 7])
+def test_logged_steps_counts_what_logged_step_selects(interval):
+    from obow.training.loop import logged_step, logged_steps
+
+    for first in range(0, 15):
+        for steps in range(0, 12):
+            iterations = range(first + 1, first + steps + 1)
+            expected = sum(logged_step(i, interval, i == first + steps) for i in iterations)
+            assert logged_steps(first, steps, interval) == expected, (first, steps)
+
+
+def test_a_run_computes_the_diagnostics_on_its_logged_steps_and_averages_them_per_epoch(
+    tmp_path, tiny_recipe, write_images, read_log, monkeypatch
+):
+    """The effective rank's SVD costs more than a small GPU step, so only the logged steps compute it; the epoch
+    record's value is the mean of theirs."""
+    from obow.config import load_config
+    from obow.training import loop
+    from obow.training.loop import pretrain
+
+    monkeypatch.setattr(loop, "MIN_LOGGED_STEPS", 1)  # a short run would otherwise log every step
+
+    data = write_images(tmp_path / "data", per_class=10, size=20)  # 20 images, batch 4: 5 steps an epoch
+    overrides = [f"data.path={data}", "data.batch_size=4", "optim.epochs=2", "train.log_every=2"]
+    pretrain(load_config(tiny_recipe, [*overrides, "train.knn_every=0", "train.tensorboard=false"]), tmp_path / "r")
+    records = read_log(tmp_path / "r")
+    steps = [r for r in records if r.get("type") != "epoch" and "iteration" in r]
+    assert [r["iteration"] for r in steps] == [2, 4, 5, 6, 8, 10]  # every 2nd step and each epoch's last
+    assert all("student/effective_rank" in r for r in steps)
+    epochs = [r for r in records if r.get("type") == "epoch"]
+    for epoch, logged in zip(epochs, ([2, 4, 5], [6, 8, 10]), strict=True):
+        values = [r["student/effective_rank"] for r in steps if r["iteration"] in logged]
+        assert epoch["effective_rank"] == pytest.approx(np.mean(values), rel=1e-5)

@@ -1,0 +1,283 @@
+"""The device pipeline's views (:mod:`obow.data.batched_views`): each image with its own parameters, the same views
+for the same seed, a process's share of a batch equal to the whole batch's rows, and the same distributions as
+the worker pipeline (:mod:`obow.data.transforms`): two-sample tests over thousands of draws, not bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from scipy import stats
+from torchvision import transforms as T
+
+from obow.config import load_config
+from obow.data.batched_views import (
+    BatchedViews,
+    draw_patch_cells,
+    gaussian_blur,
+    random_resized_boxes,
+    resized_crops,
+)
+from obow.data.transforms import GRID_SIDE, OBoWViews, PatchGrid
+
+#: Two samples from the same distribution fail a test at this level once in a thousand runs; the tests' draws are
+#: seeded, so a pass is repeatable and a fail means a real difference (each was checked to fail on a wrong rule).
+ALPHA = 1e-3
+
+
+def views_cfg(**changes):
+    """``cifar10_fast``'s views (32 px images), with ``changes``."""
+    cfg = load_config("cifar10_fast").views
+    for key, value in changes.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def scene(side: int = 32, seed: int = 0) -> np.ndarray:
+    """A ``[side, side, 3]`` uint8 image with structure at every scale: colour ramps, a bright disc, noise."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:side, 0:side] / (side - 1)
+    img = np.stack([0.15 + 0.7 * x, 0.2 + 0.6 * y, 0.8 - 0.6 * x * y], axis=-1)
+    img[(x - 0.65) ** 2 + (y - 0.35) ** 2 < 0.04] = (0.95, 0.9, 0.2)
+    img += rng.normal(0, 0.04, img.shape)
+    return (np.clip(img, 0, 1) * 255).round().astype(np.uint8)
+
+
+def batch_of(img: np.ndarray, n: int) -> torch.Tensor:
+    return torch.from_numpy(img).permute(2, 0, 1).unsqueeze(0).expand(n, -1, -1, -1).contiguous()
+
+
+def torchvision_boxes(n: int, side: int, scale, seed: int) -> np.ndarray:
+    """``n`` boxes (top, left, height, width) from torchvision's own ``RandomResizedCrop.get_params``."""
+    torch.manual_seed(seed)
+    img = torch.zeros(3, side, side)
+    return np.array([T.RandomResizedCrop.get_params(img, list(scale), [3 / 4, 4 / 3]) for _ in range(n)])
+
+
+@pytest.mark.parametrize(("side", "scale"), [(32, (0.08, 0.6)), (32, (0.6, 1.0)), (9, (0.08, 1.0))])
+def test_crop_boxes_follow_torchvision_in_distribution(side, scale):
+    n = 4000
+    ours = random_resized_boxes(n, side, scale, torch.Generator().manual_seed(1)).numpy()
+    theirs = torchvision_boxes(n, side, scale, seed=2)
+    for boxes in (ours, theirs):
+        top, left, h, w = boxes.T
+        assert (h >= 1).all() and (w >= 1).all() and (top + h <= side).all() and (left + w <= side).all()
+    for name, f in {
+        "area fraction": lambda b: b[:, 2] * b[:, 3] / side**2,
+        "log aspect ratio": lambda b: np.log(b[:, 3] / b[:, 2]),
+        "top, relative": lambda b: (b[:, 0] + 0.5) / (side - b[:, 2] + 1),
+        "left, relative": lambda b: (b[:, 1] + 0.5) / (side - b[:, 3] + 1),
+    }.items():
+        assert stats.ks_2samp(f(ours), f(theirs)).pvalue > ALPHA, name
+    # the fallback to the whole image (none of the ten tries fits) is as frequent
+    whole = [np.mean((b[:, 2] == side) & (b[:, 3] == side)) for b in (ours, theirs)]
+    table = [[w * n, (1 - w) * n] for w in whole]
+    assert whole[0] == whole[1] == 0 or stats.chi2_contingency(np.array(table) + 0.5).pvalue > ALPHA
+
+
+def test_a_wrong_aspect_ratio_rule_is_caught():
+    """The test above can fail: boxes with a uniform (not log-uniform) aspect ratio in [1/2, 2] differ."""
+    n, side, scale = 4000, 32, (0.08, 0.6)
+    theirs = torchvision_boxes(n, side, scale, seed=2)
+    wrong = random_resized_boxes(n, side, scale, torch.Generator().manual_seed(1), ratio=(1 / 2, 2)).numpy()
+    assert stats.ks_2samp(np.log(wrong[:, 3] / wrong[:, 2]), np.log(theirs[:, 3] / theirs[:, 2])).pvalue < ALPHA
+
+
+def test_patch_cells_and_jitter_follow_the_patch_grid():
+    n, num_patches, jitter = 3000, 5, 4
+    keep, offsets = draw_patch_cells(n, num_patches, jitter, torch.Generator().manual_seed(3))
+    assert keep.shape == (n, num_patches) and offsets.shape == (n, num_patches, 2)
+    assert all(len(set(row)) == num_patches for row in keep.tolist())  # distinct cells per view
+    # PatchGrid on an image whose pixel values are their own coordinates tells which cells and offsets it took
+    grid = PatchGrid(patch_size=4, jitter=jitter, num_patches=num_patches)
+    side = 4 + jitter + 2 * 6  # step 6
+    coords = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")).float()
+    torch.manual_seed(4)
+    tops, lefts = [], []
+    for _ in range(n):
+        patches = grid(torch.cat([coords, coords[:1]]))
+        tops.append(patches[:, 0, 0, 0].long())
+        lefts.append(patches[:, 1, 0, 0].long())
+    tops, lefts = torch.stack(tops), torch.stack(lefts)
+    their_cells = (tops // 6) * GRID_SIDE + lefts // 6
+    their_offsets = torch.stack([tops % 6, lefts % 6], dim=-1)
+    for position in range(num_patches):  # the cell drawn at each position of the kept list
+        ours_counts = np.bincount(keep[:, position].numpy(), minlength=9)
+        theirs_counts = np.bincount(their_cells[:, position].numpy(), minlength=9)
+        assert stats.chi2_contingency(np.stack([ours_counts, theirs_counts])).pvalue > ALPHA
+    ours_off = np.bincount(offsets.flatten().numpy(), minlength=jitter + 1)
+    theirs_off = np.bincount(their_offsets.flatten().numpy(), minlength=jitter + 1)
+    assert stats.chi2_contingency(np.stack([ours_off, theirs_off])).pvalue > ALPHA
+
+
+def test_every_image_of_a_batch_gets_its_own_parameters():
+    cfg = views_cfg()
+    views = BatchedViews(cfg, side=32)
+    params = views.draw(64, torch.Generator().manual_seed(0))
+    boxes = params.crops.boxes.reshape(-1, 4)
+    assert len({tuple(b) for b in boxes.tolist()}) > 0.9 * len(boxes)
+    assert 0 < int(params.teacher_flip.sum()) < 64
+    photo = params.crops.photo
+    assert 0 < int(photo.flip.sum()) < photo.flip.numel() and 0 < int(photo.gray.sum()) < photo.gray.numel()
+    assert len(set(photo.factors[..., 0].flatten().tolist())) == photo.factors[..., 0].numel()  # brightness
+    assert len({tuple(o) for o in photo.order.reshape(-1, 4).tolist()}) > 12  # many of the 24 orders
+    assert len({tuple(k) for k in params.patch_keep.tolist()}) > 50
+    # the same image 64 times: its crops differ from row to row
+    out = views.render(batch_of(scene(), 64), params)
+    crops = out["crops"].flatten(2)
+    distinct = {tuple(c.round(decimals=4).tolist()) for c in crops.reshape(-1, crops.shape[-1])}
+    assert len(distinct) == crops.shape[0] * crops.shape[1]
+    assert out["teacher"].shape == (64, 3, cfg.teacher_size, cfg.teacher_size)
+    assert out["patches"].shape == (64, cfg.num_patches, 3, cfg.patch_size, cfg.patch_size)
+
+
+def test_the_same_seed_gives_the_same_views_and_another_seed_others():
+    views = BatchedViews(views_cfg(), side=32)
+    images = torch.stack([batch_of(scene(seed=s), 1)[0] for s in range(8)])
+    a = views(images, torch.Generator().manual_seed(7))
+    b = views(images, torch.Generator().manual_seed(7))
+    c = views(images, torch.Generator().manual_seed(8))
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert not torch.equal(a["crops"], c["crops"])
+
+
+def test_a_share_of_the_parameters_renders_that_share_of_the_batch():
+    """What each process of a multi-GPU run does: draw the global batch's parameters, render its rows."""
+    views = BatchedViews(views_cfg(), side=32)
+    images = torch.stack([batch_of(scene(seed=s), 1)[0] for s in range(8)])
+    params = views.draw(8, torch.Generator().manual_seed(5))
+    whole = views.render(images, params)
+    for start, stop in [(0, 4), (4, 8), (3, 6)]:
+        share = views.render(images[start:stop], params[start:stop])
+        for key in whole:
+            torch.testing.assert_close(share[key], whole[key][start:stop], rtol=0, atol=1e-5)
+
+
+def test_mocov2_views_are_two_crops_of_the_teacher_size():
+    cfg = views_cfg()
+    views = BatchedViews(cfg, side=32, mocov2=True, moco_crop_scale=(0.2, 1.0))
+    out = views(batch_of(scene(), 6), torch.Generator().manual_seed(0))
+    assert out["teacher"].shape == (6, 3, cfg.teacher_size, cfg.teacher_size)
+    assert out["crops"].shape == (6, 1, 3, cfg.teacher_size, cfg.teacher_size)
+    assert not torch.equal(out["teacher"], out["crops"][:, 0])
+
+
+def test_the_teacher_view_matches_torchvisions():
+    """Resize + centre crop without randomness but the flip: the two pipelines' teacher views agree closely."""
+    cfg = views_cfg(teacher_resize=36, teacher_size=32)
+    img = scene(32)
+    worker = OBoWViews(cfg).teacher(Image.fromarray(img))
+    mine = BatchedViews(cfg, side=32)
+    params = mine.draw(1, torch.Generator().manual_seed(0))
+    params.teacher_flip[:] = False
+    device = mine.render(batch_of(img, 1), params)["teacher"][0]
+    # the worker's teacher view has its own random flip; both are normalised (std ~0.225): 0.03 is under 2 levels
+    # of 255, where the view flipped the wrong way is off by far more
+    errors = sorted(float((device - w).abs().mean()) for w in (worker, worker.flip(-1)))
+    assert errors[0] < 0.03 < 0.3 < errors[1]
+
+
+def test_resized_crops_of_the_whole_image_at_its_size_are_the_image():
+    img = batch_of(scene(16), 2)
+    boxes = torch.tensor([[[0, 0, 16, 16]], [[0, 0, 16, 16]]])
+    torch.testing.assert_close(resized_crops(img, boxes, 16)[:, 0], img.float(), rtol=0, atol=1e-3)
+
+
+def test_resized_crops_shrink_with_an_area_filter():
+    """Halving a checkerboard of 1-pixel squares averages each 2x2 block to mid-grey (nearest sampling would
+    alias it to black or white)."""
+    board = (torch.arange(16)[:, None] + torch.arange(16)[None, :]) % 2 * 255
+    img = board.to(torch.uint8).expand(1, 3, 16, 16)
+    out = resized_crops(img, torch.tensor([[[0, 0, 16, 16]]]), 8)
+    torch.testing.assert_close(out, torch.full_like(out, 127.5), rtol=0, atol=1e-3)
+
+
+def test_gaussian_blur_against_a_float64_reference():
+    x = torch.rand(3, 3, 12, 12, dtype=torch.float64)
+    sigma = torch.tensor([0.3, 0.8, 1.5], dtype=torch.float64)
+    out = gaussian_blur(x, sigma, max_sigma=1.5)
+    radius = math.ceil(3 * 1.5)
+    padded = np.pad(x.numpy(), ((0, 0), (0, 0), (radius, radius), (radius, radius)), mode="edge")
+    for i, s in enumerate(sigma.tolist()):
+        t = np.arange(-radius, radius + 1)
+        k = np.exp(-0.5 * (t / s) ** 2)
+        k /= k.sum()
+        kernel = np.outer(k, k)
+        ref = np.zeros((3, 12, 12))
+        for dy in range(2 * radius + 1):
+            for dx in range(2 * radius + 1):
+                ref += kernel[dy, dx] * padded[i, :, dy : dy + 12, dx : dx + 12]
+        np.testing.assert_allclose(out[i].numpy(), ref, rtol=0, atol=1e-12)
+    flat = torch.full((1, 3, 8, 8), 0.25, dtype=torch.float64)  # a flat image stays flat
+    torch.testing.assert_close(gaussian_blur(flat, torch.tensor([1.0]), 2.0), flat)
+
+
+def per_view_stats(crops: torch.Tensor, cfg) -> dict[str, np.ndarray]:
+    """Per view ``[n, 3, h, w]`` (normalised): each channel's mean and the view's spread, in [0, 1] units, and
+    whether it is grey."""
+    mean = torch.tensor(cfg.mean).view(1, 3, 1, 1)
+    std = torch.tensor(cfg.std).view(1, 3, 1, 1)
+    x = crops * std + mean
+    out = {f"mean {c}": x[:, i].mean(dim=(1, 2)).numpy() for i, c in enumerate("RGB")}
+    out["spread"] = x.std(dim=(1, 2, 3)).numpy()
+    out["left minus right"] = (x[..., : x.shape[-1] // 2].mean(dim=(1, 2, 3)) - x[..., x.shape[-1] // 2 :].mean(
+        dim=(1, 2, 3)
+    )).numpy()  # fmt: skip
+    out["grey"] = ((x[:, 0] - x[:, 1]).abs().amax(dim=(1, 2)) < 2 / 255).numpy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def worker_crops() -> dict[str, np.ndarray]:
+    """:func:`per_view_stats` of 2,000 student crops of :func:`scene` made by the worker pipeline."""
+    cfg = views_cfg()
+    torch.manual_seed(0)
+    crop = OBoWViews(cfg).crop
+    pil = Image.fromarray(scene(32))
+    return per_view_stats(torch.stack([crop(pil) for _ in range(2000)]), cfg)
+
+
+def test_the_crops_colour_statistics_match_the_worker_pipelines(worker_crops):
+    """Per-view colour means, spread (contrast and blur), left-right balance (flips) and grey fraction of 2,000
+    student crops of one image: the device pipeline's against the worker pipeline's (PIL and torchvision)."""
+    cfg = views_cfg()
+    img = scene(32)
+    n = 2000
+    worker = worker_crops
+    views = BatchedViews(cfg, side=32)
+    device = per_view_stats(views(batch_of(img, n // 2), torch.Generator().manual_seed(1))["crops"].flatten(0, 1), cfg)
+    for key in ("mean R", "mean G", "mean B", "spread", "left minus right"):
+        assert stats.ks_2samp(device[key], worker[key]).pvalue > ALPHA, key
+    grey = np.array(
+        [[device["grey"].sum(), n - device["grey"].sum()], [worker["grey"].sum(), n - worker["grey"].sum()]]
+    )
+    assert stats.chi2_contingency(grey).pvalue > ALPHA
+    assert 0.15 < device["grey"].mean() < 0.25  # views.grayscale_prob 0.2
+
+
+def test_a_missing_colour_jitter_is_caught(worker_crops):
+    """The colour test can fail: device crops without colour jitter differ from the worker pipeline's."""
+    cfg = views_cfg()
+    img = scene(32)
+    worker = worker_crops
+    plain = BatchedViews(views_cfg(color_jitter_prob=0.0), side=32)
+    device = per_view_stats(plain(batch_of(img, 1000), torch.Generator().manual_seed(1))["crops"].flatten(0, 1), cfg)
+    assert min(stats.ks_2samp(device[k], worker[k]).pvalue for k in ("mean R", "mean G", "mean B", "spread")) < ALPHA
+
+
+def test_the_patches_match_the_worker_pipelines_in_distribution():
+    cfg = views_cfg()
+    img = scene(32)
+    n = 1000
+    torch.manual_seed(0)
+    patch = OBoWViews(cfg).patches
+    pil = Image.fromarray(img)
+    worker = per_view_stats(torch.cat([patch(pil) for _ in range(n)]), cfg)
+    views = BatchedViews(cfg, side=32)
+    device = per_view_stats(views(batch_of(img, n), torch.Generator().manual_seed(1))["patches"].flatten(0, 1), cfg)
+    for key in ("mean R", "mean G", "mean B", "spread", "left minus right"):
+        assert stats.ks_2samp(device[key], worker[key]).pvalue > ALPHA, key

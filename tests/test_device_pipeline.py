@@ -1,0 +1,206 @@
+"""``data.pipeline: device`` end to end on the CPU: the decoded-image cache (:mod:`obow.data.cache`) is built once,
+read back, rebuilt when a file changes, refuses what it cannot read in one line and holds what the run's header
+says; the :class:`~obow.data.device_loader.DeviceLoader` follows the sampler; a run trains, checkpoints and
+resumes to the weights of an uninterrupted one."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from obow.config import load_config
+from obow.data import cache as cache_module
+from obow.data.batched_views import BatchedViews
+from obow.data.cache import build_cache
+from obow.data.device_loader import DeviceLoader
+from obow.data.folders import EpochSampler, scan_images
+
+
+def write_squares(folder, n: int, side: int = 12, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    pixels = [rng.integers(0, 256, (side, side, 3), dtype=np.uint8) for _ in range(n)]
+    for i, p in enumerate(pixels):
+        Image.fromarray(p).save(folder / f"{i:02d}.png")
+    return pixels
+
+
+def test_the_cache_holds_the_decoded_pixels_and_is_read_back_without_decoding(tmp_path, monkeypatch):
+    pixels = write_squares(tmp_path / "data" / "a", 6)
+    images = scan_images(str(tmp_path / "data"), labels="folders")
+    cache = build_cache(images, views_side=24, cache_dir=tmp_path / "cache")
+    assert cache.side == 12 and cache.pixels.shape == (6, 3, 12, 12) and cache.where == "memory"
+    for i, p in enumerate(pixels):
+        np.testing.assert_array_equal(cache.pixels[i], p.transpose(2, 0, 1))
+    assert cache.nbytes == 6 * 3 * 12 * 12 and f"{cache.file}" in cache.describe()
+
+    def no_decoding(path, side):
+        raise AssertionError("decoded again")
+
+    monkeypatch.setattr(cache_module, "_decode", no_decoding)
+    again = build_cache(images, views_side=24, cache_dir=tmp_path / "cache")
+    np.testing.assert_array_equal(again.pixels, cache.pixels)
+
+
+def test_a_changed_file_rebuilds_the_cache_and_the_stale_one_is_removed(tmp_path):
+    write_squares(tmp_path / "data" / "a", 4)
+    images = scan_images(str(tmp_path / "data"), labels="folders")
+    first = build_cache(images, views_side=24, cache_dir=tmp_path / "cache")
+    changed = np.full((12, 12, 3), 7, dtype=np.uint8)
+    path = tmp_path / "data" / "a" / "02.png"
+    Image.fromarray(changed).save(path)
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))  # a later modification
+    second = build_cache(
+        scan_images(str(tmp_path / "data"), labels="folders"), views_side=24, cache_dir=tmp_path / "cache"
+    )
+    assert second.file != first.file and not first.file.exists()
+    np.testing.assert_array_equal(second.pixels[2], changed.transpose(2, 0, 1))
+    assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".json", ".u8"]  # one cache, no partials
+
+
+def test_unreadable_images_are_left_out_and_a_folder_of_none_is_refused_in_one_line(tmp_path, caplog):
+    write_squares(tmp_path / "data" / "a", 3)
+    (tmp_path / "data" / "a" / "broken.png").write_bytes(b"not an image")
+    with caplog.at_level(logging.WARNING, logger="obow"):
+        cache = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=tmp_path / "cache")
+    assert len(cache.images) == 3 and "broken.png" not in " ".join(cache.images.paths)
+    assert "1 unreadable images left out" in caplog.text
+
+    for i in range(2):
+        (tmp_path / "bad" / "a").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "bad" / "a" / f"{i}.png").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="no readable image under") as err:
+        build_cache(scan_images(str(tmp_path / "bad"), labels="folders"), 24, cache_dir=tmp_path / "cache")
+    assert "\n" not in str(err.value)
+
+
+def test_a_cache_folder_that_cannot_be_written_is_refused_in_one_line(tmp_path):
+    write_squares(tmp_path / "data" / "a", 2)
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache folder should be")
+    with pytest.raises(ValueError, match="cannot write the image cache in .*; set data.cache_dir") as err:
+        build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=blocker / "cache")
+    assert "\n" not in str(err.value)
+
+
+def test_non_square_and_mixed_images_are_cut_to_their_central_square_at_the_views_side(tmp_path):
+    folder = tmp_path / "data" / "a"
+    folder.mkdir(parents=True)
+    wide = np.zeros((10, 30, 3), dtype=np.uint8)
+    wide[:, 10:20] = 200  # the central square is bright, the edges dark
+    Image.fromarray(wide).save(folder / "wide.png")
+    Image.fromarray(np.full((16, 16, 3), 50, dtype=np.uint8)).save(folder / "square.png")
+    cache = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), views_side=20, cache_dir=tmp_path / "c")
+    assert cache.side == 20 and cache.not_square == 1 and "1 non-square images cut" in cache.describe()
+    wide_index = [os.path.basename(p) for p in cache.images.paths].index("wide.png")
+    assert cache.pixels[wide_index].min() >= 190  # nothing of the dark edges
+
+
+def test_a_cache_too_big_for_memory_is_memory_mapped(tmp_path, monkeypatch):
+    write_squares(tmp_path / "data" / "a", 4)
+    monkeypatch.setattr(cache_module, "available_memory", lambda: 100)  # less than twice the 1,728 bytes
+    cache = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=tmp_path / "cache")
+    assert cache.where == "memory-mapped" and isinstance(cache.pixels, np.memmap)
+    assert "memory-mapped" in cache.describe()
+
+
+def test_the_loader_follows_the_sampler_and_holds_no_copy_of_the_cache(tmp_path):
+    write_squares(tmp_path / "data" / "a", 10)
+    cache = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=tmp_path / "cache")
+    cfg = load_config("cifar10_fast").views
+    cfg.teacher_resize, cfg.teacher_size, cfg.crop_size, cfg.patch_grid_size, cfg.patch_size = 12, 12, 8, 12, 4
+    cfg.patch_jitter = 2
+    sampler = EpochSampler(10, 4, seed=3)
+    loader = DeviceLoader(cache, sampler, BatchedViews(cfg, cache.side), torch.device("cpu"), seed=3)
+    assert loader.resident is not None and loader.resident.data_ptr() == cache.pixels.ctypes.data  # shared
+    assert loader.where == "in memory"
+    sampler.set_epoch(0)
+    batches = list(loader)
+    assert len(batches) == len(loader) == 2 and [b["image"]["crops"].shape[0] for b in batches] == [4, 4]  # drop_last
+    sampler.set_epoch(0, start_batch=1)  # a resumed epoch: the same later batches
+    resumed = list(loader)
+    for a, b in zip(batches[1:], resumed, strict=True):
+        for key in a["image"]:
+            assert torch.equal(a["image"][key], b["image"][key]), key
+    sampler.set_epoch(1)
+    assert not torch.equal(list(loader)[0]["image"]["crops"], batches[0]["image"]["crops"])
+
+
+DEVICE_RUN = [
+    "data.pipeline=device",
+    "data.batch_size=4",
+    "optim.epochs=2",
+    "train.tensorboard=false",
+    "train.knn_every=0",
+    "train.log_every=1",
+]
+
+
+def test_a_device_pipeline_run_trains_checkpoints_and_resumes_to_the_uninterrupted_weights(
+    tmp_path, tiny_recipe, write_images, monkeypatch, caplog
+):
+    from obow.training.loop import Interrupted, pretrain
+
+    data = write_images(tmp_path / "data", per_class=6, size=20)  # 12 images, batch 4: 3 steps an epoch
+    cfg = load_config(tiny_recipe, [f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", *DEVICE_RUN])
+    with caplog.at_level(logging.INFO, logger="obow"):
+        whole = pretrain(cfg, tmp_path / "whole")
+    header = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Data:"))
+    assert header.startswith("Data: views made on the cpu from 12 images decoded to 20 px squares, 0 MiB in memory")
+    assert whole["iteration"] == 6
+
+    original = DeviceLoader.__iter__
+
+    def interrupted_in_epoch_two(self):
+        for i, batch in enumerate(original(self)):
+            if self.sampler.epoch == 1 and i == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # the loop finishes this step, then checkpoints
+            yield batch
+
+    monkeypatch.setattr(DeviceLoader, "__iter__", interrupted_in_epoch_two)
+    out = tmp_path / "interrupted"
+    with pytest.raises(Interrupted):
+        pretrain(cfg, out)
+    partial = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert partial["epoch"] == 1 and 0 < partial["batch_in_epoch"] < 3, "the stop should land inside epoch 2"
+    monkeypatch.setattr(DeviceLoader, "__iter__", original)
+    assert pretrain(cfg, out)["iteration"] == 6
+    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)["model"]
+    b = torch.load(out / "checkpoint.pt", weights_only=False)["model"]
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_the_device_and_worker_pipelines_train_the_same_recipe(tmp_path, tiny_recipe, write_images, read_log):
+    """Not equal weights (other random draws), but both learn: the loss falls over the run in each."""
+    from obow.training.loop import pretrain
+
+    data = write_images(tmp_path / "data", per_class=6, size=20)
+    losses = {}
+    for pipeline in ("workers", "device"):
+        overrides = [f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", *DEVICE_RUN, "optim.epochs=3"]
+        cfg = load_config(tiny_recipe, [*overrides, f"data.pipeline={pipeline}"])
+        pretrain(cfg, tmp_path / pipeline)
+        losses[pipeline] = [r["loss"] for r in read_log(tmp_path / pipeline) if r.get("type") == "epoch"]
+    for pipeline, curve in losses.items():
+        assert len(curve) == 3 and all(np.isfinite(curve)), pipeline
+
+
+def test_an_unreadable_folder_on_the_device_pipeline_is_one_line_from_the_command(tmp_path, tiny_recipe, obow_cli):
+    for i in range(3):
+        (tmp_path / "bad" / "a").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "bad" / "a" / f"{i}.png").write_bytes(b"junk")
+    result = obow_cli(
+        "pretrain", "--config", tiny_recipe, "--data", tmp_path / "bad", "--out", tmp_path / "run",
+        "data.pipeline=device", f"data.cache_dir={tmp_path / 'cache'}", "train.tensorboard=false", check=False,
+    )  # fmt: skip
+    assert result.code == 2 and "Traceback" not in result.err
+    assert result.err.strip().splitlines()[-1] == f"obow: error: no readable image under {tmp_path / 'bad'}"
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()

@@ -204,3 +204,27 @@ def test_an_unreadable_folder_on_the_device_pipeline_is_one_line_from_the_comman
     assert result.code == 2 and "Traceback" not in result.err
     assert result.err.strip().splitlines()[-1] == f"obow: error: no readable image under {tmp_path / 'bad'}"
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_each_process_renders_its_share_of_the_single_process_batch(tmp_path):
+    """Several GPUs: each rank draws the global batch's parameters and renders its own rows, so the ranks'
+    batches side by side are the one-process batch."""
+    write_squares(tmp_path / "data" / "a", 12)
+    cache = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=tmp_path / "cache")
+    cfg = load_config("cifar10_fast").views
+    cfg.teacher_resize, cfg.teacher_size, cfg.crop_size, cfg.patch_grid_size, cfg.patch_size = 12, 12, 8, 12, 4
+    cfg.patch_jitter = 2
+    views = BatchedViews(cfg, cache.side)
+
+    def batches(rank: int, world: int, batch: int) -> list[dict]:
+        sampler = EpochSampler(12, batch, seed=5, rank=rank, world_size=world)
+        sampler.set_epoch(2)
+        return [b["image"] for b in DeviceLoader(cache, sampler, views, torch.device("cpu"), seed=5)]
+
+    single = batches(0, 1, 6)
+    ranks = [batches(r, 2, 3) for r in range(2)]
+    assert len(single) == len(ranks[0]) == len(ranks[1]) == 2
+    for i, whole in enumerate(single):
+        for key in whole:
+            joined = torch.cat([ranks[0][i][key], ranks[1][i][key]])
+            torch.testing.assert_close(joined, whole[key], rtol=0, atol=1e-5)

@@ -12,7 +12,9 @@
 ImageNet validation images, appendix "Evaluation protocols in Section 4.1") unless ``--split train``.
 ``obow eval svm`` reads a folder in the VOC devkit layout instead (:mod:`obow.data.voc`): linear SVMs on
 ``trainval``, mAP on ``test`` (:mod:`obow.evaluate.svm`).
-Each command prints a small table and writes a JSON report (default ``<checkpoint dir>/eval/<protocol>.json``;
+Each command prints a small table and writes a JSON report (default ``<checkpoint dir>/eval/<protocol>.json``,
+``<protocol>_teacher.json`` for ``--network teacher``, ``<protocol>_random_init.json`` for ``--random-init`` of a
+checkpoint's network, ``<backbone dir>/eval/<protocol>_<backbone file stem>.json`` for ``--backbone``;
 ``runs/eval/random_init_<arch>_<stem>/<protocol>.json`` for ``--random-init`` without a checkpoint).
 """
 
@@ -115,7 +117,8 @@ def _common_options() -> argparse.ArgumentParser:
     run.add_argument("--data", required=True, help="folder holding train/ and val/ (or test/) class folders")
     run.add_argument(
         "--out",
-        help="JSON report (default <checkpoint dir>/eval/<protocol>.json, or for --random-init without a "
+        help="JSON report (default <checkpoint dir>/eval/<protocol>.json (_teacher, _random_init: their own), "
+        "<backbone dir>/eval/<protocol>_<backbone file stem>.json for --backbone, or for --random-init without a "
         "checkpoint runs/eval/random_init_<arch>_<stem>/<protocol>.json)",
     )
     run.add_argument(
@@ -393,12 +396,7 @@ class _Run:
         if anchor is None:  # a random initialisation of --arch / --stem: a folder of its own under runs/eval
             folder = Path("runs") / "eval" / f"random_init_{self.info['arch']}_{self.info['stem']}"
             return folder / f"{self.protocol}.json"
-        name = self.protocol
-        if self.info["kind"] == "random_init":
-            name += "_random_init"
-        elif self.info["kind"] == "checkpoint" and self.info["network"] == "teacher":
-            name += "_teacher"
-        return Path(anchor).parent / "eval" / f"{name}.json"
+        return Path(anchor).parent / "eval" / f"{report_name(self.protocol, self.info)}.json"
 
     def train_dir(self) -> Path:
         path = self.data / "train"
@@ -488,6 +486,18 @@ class _Run:
         }
         write_json(self.out, report)
         print(f"wrote {self.out}")
+
+
+def report_name(protocol: str, info: dict[str, Any]) -> str:
+    """The default report's name in ``<dir>/eval/``, one per source so that none overwrites another:
+    ``<protocol>`` for a checkpoint's student, ``<protocol>_teacher`` for its teacher, ``<protocol>_random_init``
+    for a random initialisation of its network, ``<protocol>_<file stem>`` for an exported backbone file (an
+    export usually lies in its checkpoint's folder)."""
+    if info["kind"] == "random_init":
+        return f"{protocol}_random_init"
+    if info["kind"] == "exported":
+        return f"{protocol}_{Path(info['path']).stem}"
+    return f"{protocol}_teacher" if info["network"] == "teacher" else protocol
 
 
 def _cell(value: Any) -> str:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from obow.cli import main
 from obow.config import load_config
@@ -51,11 +52,83 @@ def test_export_of_a_timm_backbone_names_the_format_that_works(tmp_path, capsys)
 def test_an_export_without_its_sidecar_is_loaded_with_a_warning(tmp_path):
     assert main(["export", "--checkpoint", str(V1 / "checkpoint_epoch1.pt"), "--out", str(tmp_path / "b.pth")]) == 0
     shutil.move(tmp_path / "b.pth", tmp_path / "alone.pth")
-    # a narrow timm export looks like a torchvision ResNet-18 without its sidecar: the warning says so, and
-    # the load then fails on the widths, naming the file
+    # a narrow timm export: recognised from its weights, widths included; its stem cannot be seen in them
     with pytest.warns(UserWarning, match=r"has no alone.pth.json sidecar: .* the evaluation view is chosen from"):
-        with pytest.raises(ValueError, match="do not fit a resnet18"):
-            load_backbone(backbone_file=tmp_path / "alone.pth")
+        backbone, info = load_backbone(backbone_file=tmp_path / "alone.pth", stem="cifar")
+    with_sidecar, _ = load_backbone(V1 / "checkpoint_epoch1.pt")
+    assert (info["arch"], info["stem"]) == ("timm:resnet18", "cifar")
+    assert info["arch_options"] == {"channels": [8, 8, 16, 16]}  # its stem_width: 8 has no effect in timm
+    x = torch.randn(2, 3, 40, 40)
+    torch.testing.assert_close(backbone.eval()(x).pool5, with_sidecar.eval()(x).pool5, rtol=0, atol=0)
+
+
+def test_an_export_without_its_sidecar_is_recognised_never_contradicted(tmp_path, capsys):
+    """Issue 39: evaluating ``runs/x/backbone.pth`` without its sidecar said "do not fit a resnet18 with the
+    torchvision stem; they look like resnet18 (torchvision stem)" for a narrow timm export."""
+    assert main(["export", "--checkpoint", str(V1 / "checkpoint_epoch1.pt"), "--out", str(tmp_path / "b.pth")]) == 0
+    (tmp_path / "b.pth.json").unlink()
+    data = tmp_path / "data"
+    for split in ("train", "val"):
+        shutil.copytree(V1 / "images", data / split)
+    args = ["eval", "knn", "--backbone", str(tmp_path / "b.pth"), "--data", str(data), "--k", "3", "--workers", "0"]
+    capsys.readouterr()
+    with pytest.warns(UserWarning) as warned:
+        assert main(args) == 0
+    assert "knn: timm:resnet18 (torchvision stem)" in capsys.readouterr().out
+    (warning,) = [str(w.message) for w in warned if "sidecar" in str(w.message)]
+    assert "recognised from its weights as timm:resnet18 with model.arch_options channels=[8, 8, 16, 16]" in warning
+    assert "its stem cannot be told from the weights (torchvision, no_maxpool or cifar)" in warning
+    assert "give --stem if it was trained with another" in warning
+    # the wrong --arch: named against what the file holds, never "looks like" what was asked
+    assert main([*args, "--arch", "resnet18"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "holds a timm:resnet18 backbone" in line and "resnet18 was requested (--arch)" in line
+
+
+@pytest.mark.parametrize(
+    ("arch", "options"),
+    [
+        ("timm:resnet18d", {"channels": [16, 16, 32, 32], "stem_width": 8}),
+        ("timm:resnet10t", {}),
+        ("timm:resnet50", {"channels": [8, 16, 16, 32]}),
+        ("resnet34", {}),
+    ],
+)
+def test_recognise_weights_reads_timm_resnets_and_their_widths(arch, options):
+    from obow.backbones import build_backbone
+    from obow.weights.load import recognise_weights
+
+    net = build_backbone(arch, "torchvision", options)
+    state = net.export_state_dict() if hasattr(net, "export_state_dict") else net.state_dict()
+    found = recognise_weights(state)
+    assert (found.arch, found.options, found.stem) == (arch, options, None)
+
+
+def test_a_network_the_weights_do_not_show_asks_for_its_sidecar_or_arch(tmp_path):
+    import timm
+
+    path = tmp_path / "regnet.pth"
+    torch.save(timm.create_model("regnetx_002").state_dict(), path)
+    with pytest.raises(ValueError, match=r"not recognised from its weights .*put back the sidecar.*--arch .*--stem"):
+        load_backbone(backbone_file=path)
+    with pytest.warns(UserWarning, match="loaded as --arch timm:regnetx_002"):
+        _, info = load_backbone(backbone_file=path, arch="timm:regnetx_002")
+    assert info["arch"] == "timm:regnetx_002"
+    with pytest.raises(ValueError, match=r"do not fit timm:regnetx_004.*needs the regnet.pth.json sidecar"):
+        load_backbone(backbone_file=path, arch="timm:regnetx_004")
+
+
+def test_a_weight_mismatch_never_says_the_weights_look_like_what_was_asked():
+    from obow.backbones import ResNetBackbone
+    from obow.weights.load import load_weights
+
+    narrow = load_backbone(V1 / "checkpoint_epoch1.pt")[0].export_state_dict()
+    with pytest.raises(ValueError) as refused:
+        load_weights(ResNetBackbone("resnet18"), narrow, "these weights")
+    message = str(refused.value)
+    assert "do not fit a resnet18 with the torchvision stem" in message
+    assert "they hold timm:resnet18 with model.arch_options channels=[8, 8, 16, 16])" in message
+    assert "look like resnet18" not in message
 
 
 def test_under_torchrun_only_the_main_process_prints_what_is_next(tmp_path, monkeypatch, capsys):

@@ -52,10 +52,11 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     parser = subparsers.add_parser(
         "eval",
         help="evaluate a pretrained backbone: knn, linear, fewshot, finetune or svm (VOC07)",
-        description="Evaluate a backbone on a folder with train/ and val/ (or test/) class folders.",
+        description="Evaluate a backbone on a folder with train/ and val/ (or test/) class folders (svm: a folder "
+        "in the PASCAL VOC devkit layout).",
     )
     protocols = parser.add_subparsers(title="protocols", dest="protocol", metavar="PROTOCOL", required=True)
-    common = _common_options()
+    common = _common_options(CLASS_FOLDERS_HELP)
 
     p = protocols.add_parser("knn", parents=[common], help="weighted kNN on frozen pool5 features")
     p.add_argument("--k", type=positive_int, nargs="+", help="neighbours (default: both 200 and 20)")
@@ -91,7 +92,9 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--wd", type=float, help="override the weight decay (0)")
     p.set_defaults(func=run_finetune)
 
-    p = protocols.add_parser("svm", parents=[common], help="VOC07 classification: linear SVMs per class, mAP (Table 6)")
+    p = protocols.add_parser(
+        "svm", parents=[_common_options(VOC_HELP)], help="VOC07 classification: linear SVMs per class, mAP (Table 6)"
+    )
     p.add_argument("--train-split", default="trainval", help="the split the SVMs learn from (trainval)")
     p.add_argument("--test-split", default="test", help="the split they are scored on (test)")
     p.add_argument("--costs", type=positive_float, nargs="+", help="SVM costs to cross-validate (the authors')")
@@ -99,22 +102,41 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     return parser
 
 
-def _common_options() -> argparse.ArgumentParser:
+CLASS_FOLDERS_HELP = "folder holding train/ and val/ (or test/) class folders"
+VOC_HELP = (
+    "a folder in the PASCAL VOC devkit layout, e.g. VOCdevkit/VOC2007: JPEGImages/<id>.jpg and "
+    "ImageSets/Main/<class>_<split>.txt (not class folders)"
+)
+
+
+def _common_options(data_help: str) -> argparse.ArgumentParser:
+    """The options every protocol takes; ``data_help`` says what ``--data`` holds for it."""
     common = argparse.ArgumentParser(add_help=False)
     src = common.add_argument_group("what to evaluate")
     src.add_argument("--checkpoint", help="a pretraining checkpoint (obow pretrain)")
     src.add_argument("--network", choices=NETWORKS, help="which network of the checkpoint (default student)")
-    src.add_argument("--backbone", help="a file written by `obow export --format torchvision` instead")
+    src.add_argument(
+        "--backbone",
+        help="instead of --checkpoint: a file written by `obow export` (--format torchvision or timm), read with "
+        "the FILE.json beside it (without it the network is recognised from the weights; --stem if needed)",
+    )
     src.add_argument("--random-init", action="store_true", help="a randomly initialised network (the baseline)")
     src.add_argument(
-        "--arch", help="architecture for --random-init without a checkpoint (resnet18, timm:NAME, torchvision:NAME)"
+        "--arch",
+        help="architecture for --random-init without a checkpoint, or of a --backbone file without its FILE.json "
+        "(resnet18, timm:NAME, torchvision:NAME)",
     )
-    src.add_argument("--stem", choices=STEMS, help="stem for --random-init without a checkpoint (torchvision)")
+    src.add_argument(
+        "--stem",
+        choices=STEMS,
+        help="stem for --random-init without a checkpoint, or of a --backbone file without its FILE.json "
+        "(default torchvision)",
+    )
     src.add_argument(
         "--config", help="a recipe (name or YAML) whose network and view --random-init takes, e.g. cifar10_fast"
     )
     run = common.add_argument_group("data and run")
-    run.add_argument("--data", required=True, help="folder holding train/ and val/ (or test/) class folders")
+    run.add_argument("--data", required=True, help=data_help)
     run.add_argument(
         "--out",
         help="JSON report (default <checkpoint dir>/eval/<protocol>.json (_teacher, _random_init: their own), "

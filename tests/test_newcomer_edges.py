@@ -62,26 +62,25 @@ def test_an_export_without_its_sidecar_is_loaded_with_a_warning(tmp_path):
     torch.testing.assert_close(backbone.eval()(x).pool5, with_sidecar.eval()(x).pool5, rtol=0, atol=0)
 
 
-def test_an_export_without_its_sidecar_is_recognised_never_contradicted(tmp_path, capsys):
+def test_an_export_without_its_sidecar_is_recognised_never_contradicted(tmp_path, obow_cli):
     """Issue 39: evaluating ``runs/x/backbone.pth`` without its sidecar said "do not fit a resnet18 with the
     torchvision stem; they look like resnet18 (torchvision stem)" for a narrow timm export."""
-    assert main(["export", "--checkpoint", str(V1 / "checkpoint_epoch1.pt"), "--out", str(tmp_path / "b.pth")]) == 0
+    obow_cli("export", "--checkpoint", V1 / "checkpoint_epoch1.pt", "--out", tmp_path / "b.pth")
     (tmp_path / "b.pth.json").unlink()
     data = tmp_path / "data"
     for split in ("train", "val"):
         shutil.copytree(V1 / "images", data / split)
-    args = ["eval", "knn", "--backbone", str(tmp_path / "b.pth"), "--data", str(data), "--k", "3", "--workers", "0"]
-    capsys.readouterr()
-    with pytest.warns(UserWarning) as warned:
-        assert main(args) == 0
-    assert "knn: timm:resnet18 (torchvision stem)" in capsys.readouterr().out
-    (warning,) = [str(w.message) for w in warned if "sidecar" in str(w.message)]
+    args = ["eval", "knn", "--backbone", tmp_path / "b.pth", "--data", data, "--k", "3", "--workers", "0"]
+    result = obow_cli(*args)
+    assert "knn: timm:resnet18 (torchvision stem)" in result.out
+    (warning,) = [line for line in result.err.splitlines() if "sidecar" in line]
     assert "recognised from its weights as timm:resnet18 with model.arch_options channels=[8, 8, 16, 16]" in warning
     assert "its stem cannot be told from the weights (torchvision, no_maxpool or cifar)" in warning
     assert "give --stem if it was trained with another" in warning
     # the wrong --arch: named against what the file holds, never "looks like" what was asked
-    assert main([*args, "--arch", "resnet18"]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
+    wrong = obow_cli(*args, "--arch", "resnet18", check=False)
+    assert wrong.code == 2
+    (line,) = wrong.err.strip().splitlines()
     assert "holds a timm:resnet18 backbone" in line and "resnet18 was requested (--arch)" in line
 
 

@@ -28,6 +28,7 @@ from obow.backbones import STEMS, ResNetBackbone, TimmBackbone, build_backbone, 
 from obow.checks import check_choice
 from obow.config import Config, from_dict
 from obow.data.eval_sets import views_dict
+from obow.notices import ObowWarning
 from obow.weights.checkpoint import describe, load_checkpoint, read_torch_file
 
 NETWORKS = ("student", "teacher")
@@ -215,7 +216,7 @@ def _load_without_sidecar(
     warnings.warn(
         f"{what} has no {sidecar} sidecar: recognised from its weights as {found.describe()}; {stem_text}; it has "
         "no recipe, so the evaluation view is chosen from the images",
-        UserWarning,
+        ObowWarning,
         stacklevel=4,
     )
     backbone = _build_loaded(found.arch, found_stem, found.options, state, what)
@@ -236,7 +237,7 @@ def _load_as_given(
     warnings.warn(
         f"{what} has no {path.name}.json sidecar: loaded as --arch {arch} (--stem {stem}); it has no recipe, so "
         "the evaluation view is chosen from the images",
-        UserWarning,
+        ObowWarning,
         stacklevel=4,
     )
     return backbone, _exported_info(path, arch, stem, {}, {})

@@ -30,6 +30,7 @@ from obow.experiments.tables.records import (
     write_json,
 )
 from obow.files import writing
+from obow.notices import route_warnings
 
 log = logging.getLogger("obow")
 
@@ -328,6 +329,7 @@ def _task_process(task_args: tuple, threads: int) -> None:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s %(levelname)s [{task_args[0]}] %(message)s", datefmt="%H:%M:%S"
     )
+    route_warnings()  # as in the obow command that started it
     torch.set_num_threads(threads)  # the evaluation's threads; training takes train.threads
     try:
         _run_task(*task_args)

@@ -549,6 +549,42 @@ def test_an_out_under_a_regular_file_is_one_line_in_every_command(tmp_path, caps
         assert line.endswith(f"{blocker} is a file, not a folder"), (name, line)
 
 
+@pytest.mark.parametrize("protocol", ["knn", "fewshot"])
+def test_an_eval_out_that_cannot_be_written_fails_before_the_evaluation(
+    tiny_run, tmp_path, obow_cli, monkeypatch, protocol
+):
+    """A wrong --out used to fail after the whole evaluation, losing it: it is now checked first."""
+    import obow.cli.evaluate as cli_eval
+
+    def evaluated(*args, **kwargs):
+        raise AssertionError("the evaluation ran before --out was checked")
+
+    monkeypatch.setattr(cli_eval._Run, "features", evaluated)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    args = ["eval", protocol, "--checkpoint", tiny_run.out / "checkpoint.pt", "--data", tiny_run.data, "--workers", 0]
+    for out, cause in ((blocker / "r.json", f"{blocker} is a file, not a folder"), (tmp_path, "it is a folder")):
+        result = obow_cli(*args, "--out", out, check=False)
+        assert result.code == 2
+        assert one_error_line(result.err).startswith(f"obow: error: cannot write {out}: {cause}")
+
+
+def test_a_missing_data_or_val_folder_stops_pretrain_before_the_run_folder_is_made(tiny_run, tmp_path, obow_cli):
+    out = tmp_path / "run"
+    common = ["pretrain", "--config", tiny_run.recipe, "--out", out]
+    for option, key, args in (
+        ("--val", "data.val_path", ["--data", tiny_run.data / "train", "--val", tmp_path / "no_such_val"]),
+        ("--data", "data.path", ["--data", tmp_path / "no_such_train"]),
+    ):
+        result = obow_cli(*common, *args, check=False)
+        assert result.code == 2
+        assert (
+            one_error_line(result.err)
+            == f"obow: error: {option} {args[-1]} ({key}) does not exist: nothing was written"
+        )
+        assert not out.exists()  # no folder, lock, config.yaml or log to clear up
+
+
 @pytest.mark.slow  # a real process: CI runs it (--runslow)
 def test_pretrain_with_an_out_under_a_regular_file(setup, tmp_path):
     blocker = tmp_path / "a_file"

@@ -110,6 +110,35 @@ def writing(path: str | Path) -> Iterator[Path]:
         raise failure from err
 
 
+def check_writable(path: str | Path) -> Path:
+    """Raise :class:`WriteError` now when the file ``path`` could not be written later (a command checks its
+    outputs before long work, so that a wrong ``--out`` does not lose it): ``path`` is a folder, a file in the way
+    of its folders, a read-only file system or a folder without write permission. Creates nothing; a
+    failure that only the write can meet (a full disk) is still reported then, by :func:`writing`."""
+    path = Path(path)
+    if path.is_dir():
+        raise WriteError(f"cannot write {path}: it is a folder (give a file name)")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise WriteError(f"cannot write {path}: {_access_cause(path)}")
+        return path
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        raise WriteError(f"cannot write {path}: {blocker} is a file, not a folder")
+    folder = next(p for p in path.parents if p.exists())
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise WriteError(f"cannot write {path}: {_access_cause(folder)}")
+    return path
+
+
+def _access_cause(path: Path) -> str:
+    try:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return f"{path} is on a read-only file system" if read_only else f"{path} is not writable (permission denied)"
+
+
 def make_folder(path: str | Path) -> Path:
     """``mkdir -p path``, or a :class:`WriteError` that says why it cannot be created."""
     path = Path(path)

@@ -262,6 +262,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     from obow.data.eval_sets import eval_dataset
     from obow.data.folders import ImageDataset
     from obow.evaluate.finetune import FINETUNE_PRESETS, balanced_subset, finetune, finetune_transform
+    from obow.files import check_writable
 
     run = _Run(args, "finetune")
     preset_name = FRACTIONS[args.fraction]
@@ -280,7 +281,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     run.choose_view(train_images)
     subset = balanced_subset(train_images.labels, args.fraction, seed=args.seed)
     subset_file = run.out.with_name(f"{run.out.stem}_subset.json")
-    write_json(subset_file, subset_listing(train_images, subset))
+    write_json(check_writable(subset_file), subset_listing(train_images, subset))
     result = finetune(
         run.backbone,
         ImageDataset(train_images, finetune_transform(run.views)),
@@ -353,6 +354,7 @@ class _Run:
     """What every protocol does the same way: load the backbone, find the splits, extract, report."""
 
     def __init__(self, args: argparse.Namespace, protocol: str) -> None:
+        from obow.files import check_writable
         from obow.weights.load import load_backbone
 
         self.args = args
@@ -380,7 +382,7 @@ class _Run:
         self._views: ViewsConfig | None = None
         self.view_reason = ""
         self.device = device_from_name(args.device)
-        self.out = self._out_path()
+        self.out = check_writable(self._out_path())  # now, not after the evaluation
         self.skipped: list[str] = []
         self._data_info: dict[str, Any] = {}
 

@@ -185,3 +185,29 @@ def test_a_few_shot_column_the_test_set_cannot_fill_says_why():
     row_a = next(line for line in table.splitlines() if line.startswith("| a |"))
     cells = [c.strip() for c in row_a.split("|")[1:-1]]  # row a: label, 2 paper, 1-shot, 5-shot
     assert cells[0] == "a" and cells[3] != "-" and cells[4] == "-"
+
+
+def test_a_tables_header_gives_the_k_its_runs_used():
+    """Issue 39: with 100 training images the kNN memory holds 100, the JSON records knn_k 100, and the header
+    said k=200."""
+    from obow.experiments.tables import aggregate, markdown
+
+    def record(k_used: int) -> dict:
+        run = {"seed": 0, "scores": {"knn": 30.0, "knn_k": k_used}, "steps": 0, "minutes": 0.0}
+        return {
+            "title": "t",
+            "note": "n",
+            "recipe": "r",
+            "budget": {"epochs": 1},
+            "seeds": [0],
+            "train_images": 100,
+            "test_images": 50,
+            "protocol": {"k": 200, "temperature": 0.1, "episodes": 5},
+            "random_init": aggregate("random init", "random_init", {}, [run]),
+            "rows": [aggregate("a", "a", {}, [run])],
+        }
+
+    header = markdown(record(100), ("1-shot",)).splitlines()[2]
+    assert "kNN k=100 (200 asked; at most the 100 training images the kNN memory holds), T=0.1" in header
+    assert "k=200" not in header
+    assert "kNN k=200, T=0.1" in markdown(record(200), ("1-shot",))

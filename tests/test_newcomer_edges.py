@@ -211,3 +211,41 @@ def test_a_tables_header_gives_the_k_its_runs_used():
     assert "kNN k=100 (200 asked; at most the 100 training images the kNN memory holds), T=0.1" in header
     assert "k=200" not in header
     assert "kNN k=200, T=0.1" in markdown(record(200), ("1-shot",))
+
+
+def test_a_runs_files_share_one_mode_which_follows_the_umask(tiny_run, tmp_path):
+    """Issue 39: checkpoints were 0600 (mkstemp's mode) beside a run's 0644 files."""
+    import os
+    import stat
+
+    from obow.weights.checkpoint import save_atomic
+
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tiny_run.out.iterdir() if p.is_file()}
+    assert {"checkpoint.pt", "config.yaml", "log.jsonl", ".obow.lock"} <= set(modes)
+    assert len(set(modes.values())) == 1, modes
+    for umask, expected in ((0o077, 0o600), (0o002, 0o664), (0o022, 0o644)):
+        previous = os.umask(umask)
+        try:
+            save_atomic({"x": torch.zeros(1)}, tmp_path / f"{umask:o}.pt")
+            (tmp_path / f"{umask:o}.json").write_text("{}")
+        finally:
+            os.umask(previous)
+        assert stat.S_IMODE((tmp_path / f"{umask:o}.pt").stat().st_mode) == expected
+        assert stat.S_IMODE((tmp_path / f"{umask:o}.json").stat().st_mode) == expected
+
+
+def test_an_omp_num_threads_that_is_not_a_number_is_said_in_one_line(tmp_path, monkeypatch, obow_cli):
+    from obow.training.loop import ignored_omp_threads
+
+    assert ignored_omp_threads({}) is None and ignored_omp_threads({"OMP_NUM_THREADS": ""}) is None
+    assert ignored_omp_threads({"OMP_NUM_THREADS": "3"}) is None
+    assert "OMP_NUM_THREADS='0' is not a whole number of threads above 0" in ignored_omp_threads(
+        {"OMP_NUM_THREADS": "0"}
+    )
+    images = shutil.copytree(V1 / "images", tmp_path / "images")
+    monkeypatch.setenv("OMP_NUM_THREADS", "zz")
+    args = ["pretrain", "--config", V1 / "recipe.yaml", "--data", images, "--out", tmp_path / "run", "optim.epochs=1"]
+    result = obow_cli(*args)
+    (line,) = [x for x in result.err.splitlines() if "OMP_NUM_THREADS" in x and "zz" in x]
+    assert line.startswith("WARNING Threads: OMP_NUM_THREADS='zz' is not a whole number of threads above 0, so it is")
+    assert "ignored; set it to one (e.g. OMP_NUM_THREADS=2) or use train.threads" in line

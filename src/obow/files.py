@@ -139,6 +139,22 @@ def _access_cause(path: Path) -> str:
     return f"{path} is on a read-only file system" if read_only else f"{path} is not writable (permission denied)"
 
 
+def file_mode() -> int:
+    """The mode a new file gets from ``open()``: ``0o666`` less the process's umask (``0o644`` under the usual
+    ``022``). Files written through a temporary file (:func:`obow.weights.checkpoint.save_atomic`, whose
+    ``mkstemp`` makes them ``0o600``) are given it, so that every file of a run has the same mode; a user who
+    wants private runs sets ``umask 077``."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)  # no other way to read it; set back at once
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def make_folder(path: str | Path) -> Path:
     """``mkdir -p path``, or a :class:`WriteError` that says why it cannot be created."""
     path = Path(path)

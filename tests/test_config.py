@@ -62,8 +62,15 @@ def test_unknown_keys_and_bad_values_name_the_key_and_what_is_allowed():
         load_config(PAPER_R50, ["modle.arch=resnet18"])
     with pytest.raises(ConfigError, match=r"model.num_words must be an integer"):
         load_config(PAPER_R50, ["model.num_words=many"])
-    with pytest.raises(ConfigError, match=r"model.arch='resnet9' is not allowed; choose one of .*'resnet18'"):
+    # every form a network can be named in, not only the torchvision ResNets (issue 39)
+    with pytest.raises(
+        ConfigError, match=r"model.arch='resnet9' is not understood: .*resnet18.*timm:<name>.*torchvision:<name>"
+    ):
         load_config(PAPER_R50, ["model.arch=resnet9"])
+    with pytest.raises(
+        ConfigError, match=r"model.arch='resnet18d' is not understood: .*; did you mean timm:resnet18d\?$"
+    ):
+        load_config(PAPER_R50, ["model.arch=resnet18d"])
     with pytest.raises(ConfigError, match=r"model.assignment='fuzzy' is not allowed; choose one of 'soft', 'hard'"):
         load_config(PAPER_R50, ["model.assignment=fuzzy"])
     with pytest.raises(ConfigError, match=r"optim.lr must be > 0"):

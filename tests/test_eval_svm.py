@@ -139,3 +139,29 @@ def test_eval_svm_drops_an_unreadable_image_with_its_targets(tmp_path):
     assert main([*args, "--size", "24", "--out", str(out), "--workers", "0", "--costs", "1"]) == 0
     report = json.loads(out.read_text())
     assert report["data"]["num_test"] == 5 and report["skipped_images"] == [str(root / "JPEGImages" / "test001.jpg")]
+
+
+def option_help(help_text: str, option: str) -> str:
+    """The help of ``option`` in an argparse ``--help`` text, its wrapped lines joined."""
+    lines = help_text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"  {option} "))  # not the usage line
+    text = [lines[start].strip()]
+    for line in lines[start + 1 :]:
+        if not line.startswith("    ") or line.strip().startswith("-"):
+            break
+        text.append(line.strip())
+    return " ".join(text)
+
+
+def test_eval_svm_help_says_data_is_a_voc_devkit_and_exports_of_any_format_work(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "svm", "--help"])
+    text = capsys.readouterr().out
+    data = option_help(text, "--data")
+    assert "VOC devkit layout" in data and "ImageSets/Main/<class>_<split>.txt" in data
+    assert "train/ and val/" not in data
+    backbone = option_help(text, "--backbone")
+    assert "--format torchvision or timm" in backbone
+    with pytest.raises(SystemExit):
+        main(["eval", "knn", "--help"])
+    assert "train/ and val/ (or test/) class folders" in option_help(capsys.readouterr().out, "--data")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from obow.cli import main
 from obow.config import load_config
@@ -51,11 +52,82 @@ def test_export_of_a_timm_backbone_names_the_format_that_works(tmp_path, capsys)
 def test_an_export_without_its_sidecar_is_loaded_with_a_warning(tmp_path):
     assert main(["export", "--checkpoint", str(V1 / "checkpoint_epoch1.pt"), "--out", str(tmp_path / "b.pth")]) == 0
     shutil.move(tmp_path / "b.pth", tmp_path / "alone.pth")
-    # a narrow timm export looks like a torchvision ResNet-18 without its sidecar: the warning says so, and
-    # the load then fails on the widths, naming the file
+    # a narrow timm export: recognised from its weights, widths included; its stem cannot be seen in them
     with pytest.warns(UserWarning, match=r"has no alone.pth.json sidecar: .* the evaluation view is chosen from"):
-        with pytest.raises(ValueError, match="do not fit a resnet18"):
-            load_backbone(backbone_file=tmp_path / "alone.pth")
+        backbone, info = load_backbone(backbone_file=tmp_path / "alone.pth", stem="cifar")
+    with_sidecar, _ = load_backbone(V1 / "checkpoint_epoch1.pt")
+    assert (info["arch"], info["stem"]) == ("timm:resnet18", "cifar")
+    assert info["arch_options"] == {"channels": [8, 8, 16, 16]}  # its stem_width: 8 has no effect in timm
+    x = torch.randn(2, 3, 40, 40)
+    torch.testing.assert_close(backbone.eval()(x).pool5, with_sidecar.eval()(x).pool5, rtol=0, atol=0)
+
+
+def test_an_export_without_its_sidecar_is_recognised_never_contradicted(tmp_path, obow_cli):
+    """Issue 39: evaluating ``runs/x/backbone.pth`` without its sidecar said "do not fit a resnet18 with the
+    torchvision stem; they look like resnet18 (torchvision stem)" for a narrow timm export."""
+    obow_cli("export", "--checkpoint", V1 / "checkpoint_epoch1.pt", "--out", tmp_path / "b.pth")
+    (tmp_path / "b.pth.json").unlink()
+    data = tmp_path / "data"
+    for split in ("train", "val"):
+        shutil.copytree(V1 / "images", data / split)
+    args = ["eval", "knn", "--backbone", tmp_path / "b.pth", "--data", data, "--k", "3", "--workers", "0"]
+    result = obow_cli(*args)
+    assert "knn: timm:resnet18 (torchvision stem)" in result.out
+    (warning,) = [line for line in result.err.splitlines() if "sidecar" in line]
+    assert "recognised from its weights as timm:resnet18 with model.arch_options channels=[8, 8, 16, 16]" in warning
+    assert "its stem cannot be told from the weights (torchvision, no_maxpool or cifar)" in warning
+    assert "give --stem if it was trained with another" in warning
+    # the wrong --arch: named against what the file holds, never "looks like" what was asked
+    wrong = obow_cli(*args, "--arch", "resnet18", check=False)
+    assert wrong.code == 2
+    (line,) = wrong.err.strip().splitlines()
+    assert "holds a timm:resnet18 backbone" in line and "resnet18 was requested (--arch)" in line
+
+
+@pytest.mark.parametrize(
+    ("arch", "options"),
+    [
+        ("timm:resnet18d", {"channels": [16, 16, 32, 32], "stem_width": 8}),
+        ("timm:resnet10t", {}),
+        ("timm:resnet50", {"channels": [8, 16, 16, 32]}),
+        ("resnet34", {}),
+    ],
+)
+def test_recognise_weights_reads_timm_resnets_and_their_widths(arch, options):
+    from obow.backbones import build_backbone
+    from obow.weights.load import recognise_weights
+
+    net = build_backbone(arch, "torchvision", options)
+    state = net.export_state_dict() if hasattr(net, "export_state_dict") else net.state_dict()
+    found = recognise_weights(state)
+    assert (found.arch, found.options, found.stem) == (arch, options, None)
+
+
+def test_a_network_the_weights_do_not_show_asks_for_its_sidecar_or_arch(tmp_path):
+    import timm
+
+    path = tmp_path / "regnet.pth"
+    torch.save(timm.create_model("regnetx_002").state_dict(), path)
+    with pytest.raises(ValueError, match=r"not recognised from its weights .*put back the sidecar.*--arch .*--stem"):
+        load_backbone(backbone_file=path)
+    with pytest.warns(UserWarning, match="loaded as --arch timm:regnetx_002"):
+        _, info = load_backbone(backbone_file=path, arch="timm:regnetx_002")
+    assert info["arch"] == "timm:regnetx_002"
+    with pytest.raises(ValueError, match=r"do not fit timm:regnetx_004.*needs the regnet.pth.json sidecar"):
+        load_backbone(backbone_file=path, arch="timm:regnetx_004")
+
+
+def test_a_weight_mismatch_never_says_the_weights_look_like_what_was_asked():
+    from obow.backbones import ResNetBackbone
+    from obow.weights.load import load_weights
+
+    narrow = load_backbone(V1 / "checkpoint_epoch1.pt")[0].export_state_dict()
+    with pytest.raises(ValueError) as refused:
+        load_weights(ResNetBackbone("resnet18"), narrow, "these weights")
+    message = str(refused.value)
+    assert "do not fit a resnet18 with the torchvision stem" in message
+    assert "they hold timm:resnet18 with model.arch_options channels=[8, 8, 16, 16])" in message
+    assert "look like resnet18" not in message
 
 
 def test_under_torchrun_only_the_main_process_prints_what_is_next(tmp_path, monkeypatch, capsys):
@@ -113,3 +185,67 @@ def test_a_few_shot_column_the_test_set_cannot_fill_says_why():
     row_a = next(line for line in table.splitlines() if line.startswith("| a |"))
     cells = [c.strip() for c in row_a.split("|")[1:-1]]  # row a: label, 2 paper, 1-shot, 5-shot
     assert cells[0] == "a" and cells[3] != "-" and cells[4] == "-"
+
+
+def test_a_tables_header_gives_the_k_its_runs_used():
+    """Issue 39: with 100 training images the kNN memory holds 100, the JSON records knn_k 100, and the header
+    said k=200."""
+    from obow.experiments.tables import aggregate, markdown
+
+    def record(k_used: int) -> dict:
+        run = {"seed": 0, "scores": {"knn": 30.0, "knn_k": k_used}, "steps": 0, "minutes": 0.0}
+        return {
+            "title": "t",
+            "note": "n",
+            "recipe": "r",
+            "budget": {"epochs": 1},
+            "seeds": [0],
+            "train_images": 100,
+            "test_images": 50,
+            "protocol": {"k": 200, "temperature": 0.1, "episodes": 5},
+            "random_init": aggregate("random init", "random_init", {}, [run]),
+            "rows": [aggregate("a", "a", {}, [run])],
+        }
+
+    header = markdown(record(100), ("1-shot",)).splitlines()[2]
+    assert "kNN k=100 (200 asked; at most the 100 training images the kNN memory holds), T=0.1" in header
+    assert "k=200" not in header
+    assert "kNN k=200, T=0.1" in markdown(record(200), ("1-shot",))
+
+
+def test_a_runs_files_share_one_mode_which_follows_the_umask(tiny_run, tmp_path):
+    """Issue 39: checkpoints were 0600 (mkstemp's mode) beside a run's 0644 files."""
+    import os
+    import stat
+
+    from obow.weights.checkpoint import save_atomic
+
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tiny_run.out.iterdir() if p.is_file()}
+    assert {"checkpoint.pt", "config.yaml", "log.jsonl", ".obow.lock"} <= set(modes)
+    assert len(set(modes.values())) == 1, modes
+    for umask, expected in ((0o077, 0o600), (0o002, 0o664), (0o022, 0o644)):
+        previous = os.umask(umask)
+        try:
+            save_atomic({"x": torch.zeros(1)}, tmp_path / f"{umask:o}.pt")
+            (tmp_path / f"{umask:o}.json").write_text("{}")
+        finally:
+            os.umask(previous)
+        assert stat.S_IMODE((tmp_path / f"{umask:o}.pt").stat().st_mode) == expected
+        assert stat.S_IMODE((tmp_path / f"{umask:o}.json").stat().st_mode) == expected
+
+
+def test_an_omp_num_threads_that_is_not_a_number_is_said_in_one_line(tmp_path, monkeypatch, obow_cli):
+    from obow.training.threads import ignored_omp_threads
+
+    assert ignored_omp_threads({}) is None and ignored_omp_threads({"OMP_NUM_THREADS": ""}) is None
+    assert ignored_omp_threads({"OMP_NUM_THREADS": "3"}) is None
+    assert "OMP_NUM_THREADS='0' is not a whole number of threads above 0" in ignored_omp_threads(
+        {"OMP_NUM_THREADS": "0"}
+    )
+    images = shutil.copytree(V1 / "images", tmp_path / "images")
+    monkeypatch.setenv("OMP_NUM_THREADS", "zz")
+    args = ["pretrain", "--config", V1 / "recipe.yaml", "--data", images, "--out", tmp_path / "run", "optim.epochs=1"]
+    result = obow_cli(*args, "train.threads=1")  # one thread, as every test (it is said whatever chooses them)
+    (line,) = [x for x in result.err.splitlines() if "OMP_NUM_THREADS" in x and "zz" in x]
+    assert line.startswith("WARNING Threads: OMP_NUM_THREADS='zz' is not a whole number of threads above 0, so it is")
+    assert "ignored; set it to one (e.g. OMP_NUM_THREADS=2) or use train.threads" in line

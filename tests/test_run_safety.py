@@ -8,6 +8,7 @@ compared tensor for tensor.
 """
 
 import errno
+import fcntl
 import json
 import os
 import random
@@ -29,6 +30,7 @@ from PIL import Image
 from obow import cli
 from obow.config import load_config, to_dict
 from obow.files import WriteError, write_failure_cause
+from obow.training import lock as lock_module
 from obow.training.lock import LOCK_NAME, FolderInUse, RunLock
 from obow.training.state import (
     RESUMABLE_CHANGES,
@@ -182,6 +184,96 @@ def test_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path, caplo
     with caplog.at_level("WARNING", logger="obow"), RunLock(folder):
         pass
     assert "it ran on another host" in caplog.text and "elsewhere" in caplog.text
+
+
+def test_a_lock_held_only_by_a_dead_holders_child_is_waited_for_then_named_as_such(tmp_path, caplog, monkeypatch):
+    """A dead holder's leftover child (here a ``sleep`` given the lock's descriptor) still holds the ``flock``:
+    the lock is taken once the child lets go, or refused naming the leftover, never the dead process as if alive."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    dead = {"host": socket.gethostname(), "pid": 999999, "started": "2026-01-01T00:00:00", "command": "obow x"}
+    (folder / LOCK_NAME).write_text(json.dumps(dead))
+
+    def leftover(seconds: float) -> subprocess.Popen:
+        fd = os.open(folder / LOCK_NAME, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        child = subprocess.Popen(["sleep", str(seconds)], pass_fds=[fd])
+        os.close(fd)  # only the child holds it now
+        return child
+
+    child = leftover(30)
+    monkeypatch.setattr(lock_module, "LEFTOVER_WAIT_S", 0.3, raising=False)
+    with pytest.raises(FolderInUse) as refused:
+        RunLock(folder).__enter__()
+    child.kill()
+    child.wait()
+    message = str(refused.value)
+    assert "left behind by process 999999, which ended without a clean exit" in message and "in use by" not in message
+    child = leftover(1)
+    monkeypatch.setattr(lock_module, "LEFTOVER_WAIT_S", 20.0, raising=False)
+    with caplog.at_level("WARNING", logger="obow"), RunLock(folder):
+        assert child.poll() is not None  # taken once the leftover had ended
+    assert "taking over the lock left by process 999999" in caplog.text
+    child.wait()
+
+
+def test_a_forked_child_does_not_keep_the_lock_after_its_parent(tmp_path):
+    """The lock's descriptor is closed in a forked child (e.g. a data-loading worker): the child neither holds
+    the lock after the parent lets go, nor can it release the parent's."""
+    folder = tmp_path / "run"
+    with RunLock(folder) as held:
+        pid = os.fork()
+        if pid == 0:  # the child: its copy of the descriptor must be closed already
+            try:
+                os.fstat(held.fd)
+                os._exit(1)
+            except OSError:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the forked child inherited the lock's descriptor"
+        with pytest.raises(FolderInUse):
+            RunLock(folder).__enter__()  # the child's exit left the parent's lock in place
+
+
+def child_processes(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from ``/proc``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow  # a real process: CI runs it (--runslow)
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the data worker in /proc")
+def test_a_resume_right_after_kill_9_is_not_refused_for_the_dead_runs_data_worker(
+    setup, tmp_path, obow_cli, monkeypatch
+):
+    """``kill -9`` leaves the run's forked data-loading worker alive until it notices (it looks for its parent
+    every 5 s, once its batch is done; here it is held stopped, as in a slow batch); the same command run at
+    once resumes, without waiting for it."""
+    out = tmp_path / "run"
+    args = pretrain_args(setup, out, "data.num_workers=1", "train.checkpoint_every=1")
+    proc = start(*args)
+    wait_for_iteration(out, 2, proc)  # a checkpoint every step
+    (worker,) = child_processes(proc.pid)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()  # not communicate(): the stopped worker holds the output pipes open
+        monkeypatch.setattr(lock_module, "LEFTOVER_WAIT_S", 0.0, raising=False)  # no waiting: nothing to wait for
+        resumed = obow_cli(*args, check=False)
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        proc.communicate()
+    assert resumed.code == 0, resumed.err
+    assert f"Resuming {out} from iteration" in resumed.err
+    assert f"taking over the lock left by process {proc.pid}" in resumed.err
 
 
 @pytest.mark.slow
@@ -455,6 +547,42 @@ def test_an_out_under_a_regular_file_is_one_line_in_every_command(tmp_path, caps
         line = one_error_line(capsys.readouterr().err)
         assert line.startswith(f"obow: error: cannot write {blocker}/"), (name, line)
         assert line.endswith(f"{blocker} is a file, not a folder"), (name, line)
+
+
+@pytest.mark.parametrize("protocol", ["knn", "fewshot"])
+def test_an_eval_out_that_cannot_be_written_fails_before_the_evaluation(
+    tiny_run, tmp_path, obow_cli, monkeypatch, protocol
+):
+    """A wrong --out used to fail after the whole evaluation, losing it: it is now checked first."""
+    import obow.cli.evaluate as cli_eval
+
+    def evaluated(*args, **kwargs):
+        raise AssertionError("the evaluation ran before --out was checked")
+
+    monkeypatch.setattr(cli_eval._Run, "features", evaluated)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    args = ["eval", protocol, "--checkpoint", tiny_run.out / "checkpoint.pt", "--data", tiny_run.data, "--workers", 0]
+    for out, cause in ((blocker / "r.json", f"{blocker} is a file, not a folder"), (tmp_path, "it is a folder")):
+        result = obow_cli(*args, "--out", out, check=False)
+        assert result.code == 2
+        assert one_error_line(result.err).startswith(f"obow: error: cannot write {out}: {cause}")
+
+
+def test_a_missing_data_or_val_folder_stops_pretrain_before_the_run_folder_is_made(tiny_run, tmp_path, obow_cli):
+    out = tmp_path / "run"
+    common = ["pretrain", "--config", tiny_run.recipe, "--out", out]
+    for option, key, args in (
+        ("--val", "data.val_path", ["--data", tiny_run.data / "train", "--val", tmp_path / "no_such_val"]),
+        ("--data", "data.path", ["--data", tmp_path / "no_such_train"]),
+    ):
+        result = obow_cli(*common, *args, check=False)
+        assert result.code == 2
+        assert (
+            one_error_line(result.err)
+            == f"obow: error: {option} {args[-1]} ({key}) does not exist: nothing was written"
+        )
+        assert not out.exists()  # no folder, lock, config.yaml or log to clear up
 
 
 @pytest.mark.slow  # a real process: CI runs it (--runslow)

@@ -3,6 +3,7 @@ one, and the pictures hold what they should."""
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -214,8 +215,22 @@ def test_show_run_plots_a_real_run_and_overlays_two(tiny_run, tmp_path, obow_cli
     assert [p.title for p in panels_for(both)][5] == "student/effective_rank"
     obow_cli("show", "run", plain, other, "--out", tmp_path / "both.png")
     assert Image.open(tmp_path / "both.png").size == (3 * 550, 4 * 360)  # 10 panels
-    with pytest.raises(ValueError, match="has no log.jsonl"):
+    with pytest.raises(ValueError, match="holds several runs .*run_with_student_metrics.*: give the ones to draw"):
         read_run(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no log.jsonl"):
+        read_run(tmp_path / "empty")
+
+
+def test_show_run_takes_a_demo_folder_for_the_run_inside_it(tiny_run, tmp_path, obow_cli):
+    """``obow demo`` trains in ``runs/demo/pretrain``: ``obow show run runs/demo`` draws that run (issue 39)."""
+    demo = tmp_path / "demo"
+    (demo / "data").mkdir(parents=True)  # the demo's images sit beside the run
+    shutil.copytree(tiny_run.out, demo / "pretrain")
+    run = read_run(demo)
+    assert run.name == "demo" and run.steps == read_run(demo / "pretrain").steps
+    png = tmp_path / "curves.png"
+    assert f"wrote {png}" in obow_cli("show", "run", demo, "--out", png).out
 
 
 def test_show_words_end_to_end(tiny_run, tmp_path, obow_cli):

@@ -719,6 +719,22 @@ def test_jobs_must_be_a_whole_number_of_processes(tmp_path, write_images, obow_c
     assert not (out / "table3").exists()  # refused before anything is written
 
 
+def test_a_batch_larger_than_the_images_is_refused_before_anything_is_written_and_the_corrected_call_runs(
+    tmp_path, write_images, obow_cli
+):
+    recipe, data, out = _tiny_table(tmp_path, write_images)
+    args = ["tables", "run", "table3", "--data", data, "--budget", "1", "--recipe", recipe, "--out", out]
+    args += ["--per-class", "2", "--rows", "1", "--k", "5", "--episodes", "5"]  # 4 training images, batch 8
+    wrong = obow_cli(*args, check=False)
+    assert wrong.code == 2 and "Traceback" not in wrong.err
+    (line,) = [x for x in wrong.err.splitlines() if x.startswith("obow: error: ")]
+    assert "row 'soft, dynamic' trains with data.batch_size=8, more than the 4 training images" in line
+    assert "data.batch_size=2" in line and "nothing was written" in line
+    assert not out.exists()  # no plan.json, no random-init result: nothing for the corrected call to meet
+    obow_cli(*args, "data.batch_size=2")  # the corrected call is not refused
+    assert json.loads((out / "table3" / "plan.json").read_text())["steps_per_epoch"] == 2
+
+
 @pytest.mark.slow
 def test_jobs_train_the_row_seeds_in_parallel_processes_with_the_same_results(tmp_path, write_images, obow_cli):
     """``--jobs 2``: the random inits and rows of two seeds run two at a time in their own processes, one

@@ -146,15 +146,27 @@ def parse_arch(arch: str, key: str = "arch") -> tuple[str, str]:
     if not isinstance(arch, str) or not arch:
         raise ValueError(f"arch must be a model name, got {arch!r}")
     source, sep, name = arch.partition(":")
-    if not sep:
-        check_choice(key, arch, ARCHITECTURES)
+    if not sep and arch in ARCHITECTURES:
         return "resnet", arch
-    if source not in SOURCES or not name:
+    if not sep or source not in SOURCES or not name:
         raise ValueError(
             f"{key}={arch!r} is not understood: use a torchvision ResNet name ({', '.join(ARCHITECTURES)}), "
-            "timm:<name> (any timm model with features_only) or torchvision:<name>"
+            "timm:<name> (any timm model with features_only, e.g. timm:resnet18) or torchvision:<name> (any "
+            f"torchvision classification model, e.g. torchvision:mobilenet_v3_small){_prefix_hint(arch, sep)}"
         )
     return source, name
+
+
+def _prefix_hint(arch: str, prefixed: str) -> str:
+    """``"; did you mean timm:NAME?"`` when an unprefixed ``arch`` is a timm or torchvision model name."""
+    if prefixed:
+        return ""
+    import timm
+
+    found = [f"timm:{arch}"] if timm.is_model(arch) else []
+    if arch in torchvision.models.list_models(module=torchvision.models):
+        found.append(f"torchvision:{arch}")
+    return f"; did you mean {' or '.join(found)}?" if found else ""
 
 
 def build_backbone(arch: str, stem: str = "torchvision", options: Mapping[str, Any] | None = None) -> nn.Module:

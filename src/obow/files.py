@@ -110,6 +110,51 @@ def writing(path: str | Path) -> Iterator[Path]:
         raise failure from err
 
 
+def check_writable(path: str | Path) -> Path:
+    """Raise :class:`WriteError` now when the file ``path`` could not be written later (a command checks its
+    outputs before long work, so that a wrong ``--out`` does not lose it): ``path`` is a folder, a file in the way
+    of its folders, a read-only file system or a folder without write permission. Creates nothing; a
+    failure that only the write can meet (a full disk) is still reported then, by :func:`writing`."""
+    path = Path(path)
+    if path.is_dir():
+        raise WriteError(f"cannot write {path}: it is a folder (give a file name)")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise WriteError(f"cannot write {path}: {_access_cause(path)}")
+        return path
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        raise WriteError(f"cannot write {path}: {blocker} is a file, not a folder")
+    folder = next(p for p in path.parents if p.exists())
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise WriteError(f"cannot write {path}: {_access_cause(folder)}")
+    return path
+
+
+def _access_cause(path: Path) -> str:
+    try:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return f"{path} is on a read-only file system" if read_only else f"{path} is not writable (permission denied)"
+
+
+def file_mode() -> int:
+    """The mode a new file gets from ``open()``: ``0o666`` less the process's umask (``0o644`` under the usual
+    ``022``). Files written through a temporary file (:func:`obow.weights.checkpoint.save_atomic`, whose
+    ``mkstemp`` makes them ``0o600``) are given it, so that every file of a run has the same mode; a user who
+    wants private runs sets ``umask 077``."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)  # no other way to read it; set back at once
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def make_folder(path: str | Path) -> Path:
     """``mkdir -p path``, or a :class:`WriteError` that says why it cannot be created."""
     path = Path(path)

@@ -23,6 +23,8 @@ import os
 import sys
 from pathlib import Path
 
+from obow.notices import route_warnings
+
 #: Errors that only a write meets: a read-only file system, a full disk or quota, a file size limit.
 WRITE_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
@@ -35,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args(parser, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    route_warnings()  # obow's warnings as one log line each; the libraries' out of sight (obow.notices)
     if not hasattr(args, "func"):
         parser.print_help()
         return 2

@@ -12,7 +12,9 @@
 ImageNet validation images, appendix "Evaluation protocols in Section 4.1") unless ``--split train``.
 ``obow eval svm`` reads a folder in the VOC devkit layout instead (:mod:`obow.data.voc`): linear SVMs on
 ``trainval``, mAP on ``test`` (:mod:`obow.evaluate.svm`).
-Each command prints a small table and writes a JSON report (default ``<checkpoint dir>/eval/<protocol>.json``;
+Each command prints a small table and writes a JSON report (default ``<checkpoint dir>/eval/<protocol>.json``,
+``<protocol>_teacher.json`` for ``--network teacher``, ``<protocol>_random_init.json`` for ``--random-init`` of a
+checkpoint's network, ``<backbone dir>/eval/<protocol>_<backbone file stem>.json`` for ``--backbone``;
 ``runs/eval/random_init_<arch>_<stem>/<protocol>.json`` for ``--random-init`` without a checkpoint).
 """
 
@@ -50,10 +52,11 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     parser = subparsers.add_parser(
         "eval",
         help="evaluate a pretrained backbone: knn, linear, fewshot, finetune or svm (VOC07)",
-        description="Evaluate a backbone on a folder with train/ and val/ (or test/) class folders.",
+        description="Evaluate a backbone on a folder with train/ and val/ (or test/) class folders (svm: a folder "
+        "in the PASCAL VOC devkit layout).",
     )
     protocols = parser.add_subparsers(title="protocols", dest="protocol", metavar="PROTOCOL", required=True)
-    common = _common_options()
+    common = _common_options(CLASS_FOLDERS_HELP)
 
     p = protocols.add_parser("knn", parents=[common], help="weighted kNN on frozen pool5 features")
     p.add_argument("--k", type=positive_int, nargs="+", help="neighbours (default: both 200 and 20)")
@@ -89,7 +92,9 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--wd", type=float, help="override the weight decay (0)")
     p.set_defaults(func=run_finetune)
 
-    p = protocols.add_parser("svm", parents=[common], help="VOC07 classification: linear SVMs per class, mAP (Table 6)")
+    p = protocols.add_parser(
+        "svm", parents=[_common_options(VOC_HELP)], help="VOC07 classification: linear SVMs per class, mAP (Table 6)"
+    )
     p.add_argument("--train-split", default="trainval", help="the split the SVMs learn from (trainval)")
     p.add_argument("--test-split", default="test", help="the split they are scored on (test)")
     p.add_argument("--costs", type=positive_float, nargs="+", help="SVM costs to cross-validate (the authors')")
@@ -97,25 +102,45 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     return parser
 
 
-def _common_options() -> argparse.ArgumentParser:
+CLASS_FOLDERS_HELP = "folder holding train/ and val/ (or test/) class folders"
+VOC_HELP = (
+    "a folder in the PASCAL VOC devkit layout, e.g. VOCdevkit/VOC2007: JPEGImages/<id>.jpg and "
+    "ImageSets/Main/<class>_<split>.txt (not class folders)"
+)
+
+
+def _common_options(data_help: str) -> argparse.ArgumentParser:
+    """The options every protocol takes; ``data_help`` says what ``--data`` holds for it."""
     common = argparse.ArgumentParser(add_help=False)
     src = common.add_argument_group("what to evaluate")
     src.add_argument("--checkpoint", help="a pretraining checkpoint (obow pretrain)")
     src.add_argument("--network", choices=NETWORKS, help="which network of the checkpoint (default student)")
-    src.add_argument("--backbone", help="a file written by `obow export --format torchvision` instead")
+    src.add_argument(
+        "--backbone",
+        help="instead of --checkpoint: a file written by `obow export` (--format torchvision or timm), read with "
+        "the FILE.json beside it (without it the network is recognised from the weights; --stem if needed)",
+    )
     src.add_argument("--random-init", action="store_true", help="a randomly initialised network (the baseline)")
     src.add_argument(
-        "--arch", help="architecture for --random-init without a checkpoint (resnet18, timm:NAME, torchvision:NAME)"
+        "--arch",
+        help="architecture for --random-init without a checkpoint, or of a --backbone file without its FILE.json "
+        "(resnet18, timm:NAME, torchvision:NAME)",
     )
-    src.add_argument("--stem", choices=STEMS, help="stem for --random-init without a checkpoint (torchvision)")
+    src.add_argument(
+        "--stem",
+        choices=STEMS,
+        help="stem for --random-init without a checkpoint, or of a --backbone file without its FILE.json "
+        "(default torchvision)",
+    )
     src.add_argument(
         "--config", help="a recipe (name or YAML) whose network and view --random-init takes, e.g. cifar10_fast"
     )
     run = common.add_argument_group("data and run")
-    run.add_argument("--data", required=True, help="folder holding train/ and val/ (or test/) class folders")
+    run.add_argument("--data", required=True, help=data_help)
     run.add_argument(
         "--out",
-        help="JSON report (default <checkpoint dir>/eval/<protocol>.json, or for --random-init without a "
+        help="JSON report (default <checkpoint dir>/eval/<protocol>.json (_teacher, _random_init: their own), "
+        "<backbone dir>/eval/<protocol>_<backbone file stem>.json for --backbone, or for --random-init without a "
         "checkpoint runs/eval/random_init_<arch>_<stem>/<protocol>.json)",
     )
     run.add_argument(
@@ -237,6 +262,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     from obow.data.eval_sets import eval_dataset
     from obow.data.folders import ImageDataset
     from obow.evaluate.finetune import FINETUNE_PRESETS, balanced_subset, finetune, finetune_transform
+    from obow.files import check_writable
 
     run = _Run(args, "finetune")
     preset_name = FRACTIONS[args.fraction]
@@ -255,7 +281,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     run.choose_view(train_images)
     subset = balanced_subset(train_images.labels, args.fraction, seed=args.seed)
     subset_file = run.out.with_name(f"{run.out.stem}_subset.json")
-    write_json(subset_file, subset_listing(train_images, subset))
+    write_json(check_writable(subset_file), subset_listing(train_images, subset))
     result = finetune(
         run.backbone,
         ImageDataset(train_images, finetune_transform(run.views)),
@@ -328,6 +354,7 @@ class _Run:
     """What every protocol does the same way: load the backbone, find the splits, extract, report."""
 
     def __init__(self, args: argparse.Namespace, protocol: str) -> None:
+        from obow.files import check_writable
         from obow.weights.load import load_backbone
 
         self.args = args
@@ -355,7 +382,7 @@ class _Run:
         self._views: ViewsConfig | None = None
         self.view_reason = ""
         self.device = device_from_name(args.device)
-        self.out = self._out_path()
+        self.out = check_writable(self._out_path())  # now, not after the evaluation
         self.skipped: list[str] = []
         self._data_info: dict[str, Any] = {}
 
@@ -393,12 +420,7 @@ class _Run:
         if anchor is None:  # a random initialisation of --arch / --stem: a folder of its own under runs/eval
             folder = Path("runs") / "eval" / f"random_init_{self.info['arch']}_{self.info['stem']}"
             return folder / f"{self.protocol}.json"
-        name = self.protocol
-        if self.info["kind"] == "random_init":
-            name += "_random_init"
-        elif self.info["kind"] == "checkpoint" and self.info["network"] == "teacher":
-            name += "_teacher"
-        return Path(anchor).parent / "eval" / f"{name}.json"
+        return Path(anchor).parent / "eval" / f"{report_name(self.protocol, self.info)}.json"
 
     def train_dir(self) -> Path:
         path = self.data / "train"
@@ -488,6 +510,18 @@ class _Run:
         }
         write_json(self.out, report)
         print(f"wrote {self.out}")
+
+
+def report_name(protocol: str, info: dict[str, Any]) -> str:
+    """The default report's name in ``<dir>/eval/``, one per source so that none overwrites another:
+    ``<protocol>`` for a checkpoint's student, ``<protocol>_teacher`` for its teacher, ``<protocol>_random_init``
+    for a random initialisation of its network, ``<protocol>_<file stem>`` for an exported backbone file (an
+    export usually lies in its checkpoint's folder)."""
+    if info["kind"] == "random_init":
+        return f"{protocol}_random_init"
+    if info["kind"] == "exported":
+        return f"{protocol}_{Path(info['path']).stem}"
+    return f"{protocol}_teacher" if info["network"] == "teacher" else protocol
 
 
 def _cell(value: Any) -> str:

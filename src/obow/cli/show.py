@@ -63,7 +63,10 @@ def _run_options(p: argparse.ArgumentParser, batch_size: int) -> None:
 
 
 def run_words(args: argparse.Namespace) -> int:
+    from obow.files import check_writable
     from obow.show.words import show_words
+
+    check_writable(os.path.join(args.out, "words.png"))  # before the work
 
     result = show_words(
         args.checkpoint,
@@ -97,7 +100,10 @@ def run_run(args: argparse.Namespace) -> int:
 
 
 def run_neighbours(args: argparse.Namespace) -> int:
+    from obow.files import check_writable
     from obow.show.neighbours import show_neighbours
+
+    check_writable(args.out)  # before the work
 
     result = show_neighbours(
         args.checkpoint,

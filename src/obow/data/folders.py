@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from obow.checks import check_choice
 from obow.data import LABEL_MODES
+from obow.notices import ObowWarning
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 #: How many consecutive unreadable files a sample may skip before the dataset gives up.
@@ -106,6 +107,7 @@ def _warn_empty(root: str, empty: list[str]) -> None:
     if empty:
         warnings.warn(
             f"skipped {len(empty)} zero-byte image files under {root} (e.g. {empty[0]}): they hold no image",
+            ObowWarning,
             stacklevel=3,
         )
 

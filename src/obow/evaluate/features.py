@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from obow.data.folders import EpochSampler, ImageDataset, build_loader
+from obow.notices import ObowWarning
 
 
 @torch.no_grad()
@@ -52,6 +53,7 @@ def extract_features(
         warnings.warn(
             f"{len(unique)} unreadable images under {dataset.images.root} were skipped (replaced by the next "
             f"readable image), e.g. {unique[0]}",
+            ObowWarning,
             stacklevel=2,
         )
         if skipped is not None:

@@ -29,6 +29,7 @@ from obow.data.folders import ImageDataset, collate
 from obow.data.transforms import eval_transform
 from obow.evaluate.knn import top1_top5
 from obow.evaluate.linear import linear_head
+from obow.notices import ObowWarning
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ def finetune(
 
         scores, labels = _predict(backbone, head, test_dataset, batch_size, device, num_workers, skipped)
     if skipped:
-        warnings.warn(f"{len(skipped)} unreadable images were skipped during fine-tuning", stacklevel=2)
+        warnings.warn(f"{len(skipped)} unreadable images were skipped during fine-tuning", ObowWarning, stacklevel=2)
     result: dict[str, Any] = top1_top5(scores, labels)
     result.update(
         epochs=epochs,

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from obow.checks import check_choice, check_positive
 from obow.evaluate.knn import top1_top5
+from obow.notices import ObowWarning
 
 SCHEDULES = ("step", "cosine")
 
@@ -185,6 +186,7 @@ def train_linear_probe(
     if not math.isfinite(losses[-1]):
         warnings.warn(
             f"the linear probe's training loss diverged ({losses[-1]}) at lr {lr}: try a smaller learning rate",
+            ObowWarning,
             stacklevel=2,
         )
     head.eval()

@@ -36,11 +36,24 @@ class Panel:
     series: list[tuple[str, bool]]
 
 
+def find_log(run_dir: str | Path) -> Path:
+    """The ``log.jsonl`` of a run folder; a folder that holds one run folder (``obow demo``'s ``runs/demo``, whose
+    run is ``pretrain/``) stands for it."""
+    folder = Path(run_dir)
+    if (folder / "log.jsonl").is_file():
+        return folder / "log.jsonl"
+    inner = sorted(p for p in folder.glob("*/log.jsonl") if p.is_file()) if folder.is_dir() else []
+    if len(inner) == 1:
+        return inner[0]
+    if inner:
+        runs = ", ".join(str(p.parent) for p in inner)
+        raise ValueError(f"{run_dir} holds several runs ({runs}): give the ones to draw")
+    raise ValueError(f"{run_dir} has no log.jsonl: give the --out folder of an `obow pretrain` run (or `obow demo`)")
+
+
 def read_run(run_dir: str | Path) -> RunLog:
-    """A run folder's ``log.jsonl`` (a line cut short by a kill is skipped)."""
-    path = Path(run_dir) / "log.jsonl"
-    if not path.is_file():
-        raise ValueError(f"{run_dir} has no log.jsonl: give the --out folder of an `obow pretrain` run")
+    """A run folder's ``log.jsonl`` (:func:`find_log`; a line cut short by a kill is skipped)."""
+    path = find_log(run_dir)
     steps, epochs = [], []
     for line in path.read_text().splitlines():
         try:

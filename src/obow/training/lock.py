@@ -12,6 +12,14 @@ holder (it did not end cleanly), the new process takes the lock over and says wh
 empties the file. The file itself is kept: removing it could let two processes lock two different files of
 the same name.
 
+A ``flock`` belongs to the open file, which a forked child shares: a data-loading worker forked by the holder
+would keep the lock after its parent's ``kill -9``, for the seconds it takes to notice (PyTorch's workers look
+every 5 s), and a resume started at once would be refused in the dead parent's name. So the lock's descriptor
+is closed in every child forked while it is held (:func:`os.register_at_fork`; the parent's lock is untouched)
+and is not inherited through ``exec`` (``O_CLOEXEC``). Should a child that did not go through Python's fork
+(a C library's) still hold it, a holder named in the file that is dead on this host is waited for a few
+seconds (:data:`LEFTOVER_WAIT_S`), then reported as such.
+
 ``flock`` is reliable on a local disk. On a network file system it may hold only among the processes of one
 machine (NFS before Linux 2.6.12, some FUSE and SMB mounts): there a lock taken over from another host is
 reported as such, and two hosts should not be pointed at the same ``--out``. Under ``torchrun`` only the main
@@ -28,6 +36,7 @@ import os
 import shlex
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +48,27 @@ from obow.files import make_folder, write_error
 log = logging.getLogger("obow")
 
 LOCK_NAME = ".obow.lock"
+#: How long a lock still held after its named holder died on this host is waited for (a leftover child of the
+#: holder, e.g. a data-loading worker, lets go when it notices; PyTorch's workers look every 5 s).
+LEFTOVER_WAIT_S = 10.0
+
+#: The descriptors of the locks this process holds, closed in every forked child (:func:`_close_in_child`).
+_HELD: set[int] = set()
+
+
+def _close_in_child() -> None:
+    """In a freshly forked child: drop its copies of the parent's lock descriptors, so that the lock ends with
+    the parent (closing a copy leaves the parent's ``flock`` in place)."""
+    for fd in list(_HELD):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
 
 
 class FolderInUse(RuntimeError):
@@ -78,18 +108,13 @@ class RunLock:
         """Take the lock or raise :class:`FolderInUse`; write who holds it."""
         make_folder(self.folder)
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # the umask decides the mode
         except OSError as err:
             raise write_error(self.path, err) from err
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not lock_or_wait_for_leftovers(fd):
             holder = read_holder(fd)
             os.close(fd)
-            raise FolderInUse(
-                f"{self.folder} is in use by {describe_holder(holder)}; wait for it to end, stop it, or use "
-                "another --out"
-            ) from None
+            raise FolderInUse(refusal_message(self.folder, holder))
         left = read_holder(fd)
         if left:
             log.warning("%s", takeover_message(self.folder, left))
@@ -100,11 +125,13 @@ class RunLock:
             os.close(fd)
             raise write_error(self.path, err) from err
         self.fd = fd
+        _HELD.add(fd)
 
     def release(self) -> None:
         """Empty the file (a clean end) and let the lock go."""
         if self.fd is None:
             return
+        _HELD.discard(self.fd)
         try:
             os.ftruncate(self.fd, 0)
         except OSError:
@@ -112,6 +139,57 @@ class RunLock:
         finally:
             os.close(self.fd)  # closing the last descriptor releases the flock
             self.fd = None
+
+
+def try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def lock_or_wait_for_leftovers(fd: int, wait_s: float | None = None) -> bool:
+    """Take the lock on ``fd``; when it is held but the holder named in the file is dead on this host (a child
+    it left still has the file open), try again for up to ``wait_s`` seconds (:data:`LEFTOVER_WAIT_S`).
+    Whether the lock was taken."""
+    if try_lock(fd):
+        return True
+    if not holder_is_dead(read_holder(fd)):
+        return False
+    deadline = time.monotonic() + (LEFTOVER_WAIT_S if wait_s is None else wait_s)
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        if try_lock(fd):
+            return True
+        if not holder_is_dead(read_holder(fd)):  # a live process took the lock meanwhile and wrote its name
+            return False
+    return False
+
+
+def holder_is_dead(holder: dict[str, Any]) -> bool:
+    """Whether ``holder`` (as the lock file names it) ran on this host and its process is gone."""
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    return False
+
+
+def refusal_message(folder: Path, holder: dict[str, Any]) -> str:
+    """Why ``folder`` cannot be locked: its live holder, or a dead holder's leftover child that still has it."""
+    if holder_is_dead(holder):
+        return (
+            f"{folder} is still locked by a process left behind by process {holder['pid']}, which ended without a "
+            f"clean exit (a child of it still has {folder / LOCK_NAME} open; `fuser -v {folder / LOCK_NAME}` names "
+            "it): stop that process, or wait for it to end"
+        )
+    return f"{folder} is in use by {describe_holder(holder)}; wait for it to end, stop it, or use another --out"
 
 
 def this_process() -> dict[str, Any]:

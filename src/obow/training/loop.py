@@ -52,6 +52,7 @@ from obow.training.state import (
     RunError,
     RunState,
     SignalFlag,
+    check_inputs,
     handle_signals,
     open_run,
     save_run,
@@ -168,6 +169,7 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
     """:func:`pretrain`'s work, once the process has joined its group and chosen its device."""
     if cfg.data.path is None:
         raise RunError("no training images: set data.path (obow pretrain --data DIR)")
+    check_inputs(cfg)  # before the run folder is created
     with RunLock(out, device=device), chosen_threads(cfg):  # one writer per run folder, from here to the end
         cfg = settle_precision(cfg, out, device)
         ckpt = open_run(cfg, out)

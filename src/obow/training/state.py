@@ -114,6 +114,15 @@ class RunState:
         self.segment_start = time.time()
 
 
+def check_inputs(cfg: Config) -> None:
+    """A :class:`RunError` when a folder the run reads is missing (``data.path``, ``data.val_path``): checked
+    before the run folder is created or locked, so that a mistyped ``--data`` or ``--val`` leaves nothing behind."""
+    for key, option, path in (("data.path", "--data", cfg.data.path), ("data.val_path", "--val", cfg.data.val_path)):
+        if path is not None and not Path(path).is_dir():
+            what = "is not a folder" if Path(path).exists() else "does not exist"
+            raise RunError(f"{option} {path} ({key}) {what}: nothing was written")
+
+
 def open_run(cfg: Config, out: Path) -> dict[str, Any] | None:
     """The checkpoint of the run in ``out`` (``None`` for a new run), checked against ``cfg``; the folder is
     created, ``config.yaml`` written, and what a killed process left behind cleared: half-written checkpoint

@@ -12,7 +12,7 @@ import torch
 from obow.config import Config
 from obow.training.logger import log_main
 
-__all__ = ["available_cores", "busy_machine_hint", "choose_threads", "chosen_threads"]
+__all__ = ["available_cores", "busy_machine_hint", "choose_threads", "chosen_threads", "ignored_omp_threads"]
 
 
 @contextlib.contextmanager
@@ -22,6 +22,9 @@ def chosen_threads(cfg: Config) -> Iterator[None]:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     log_main("Threads: %d per training process (%s); 1 per data-loading worker", threads, why)
+    ignored = ignored_omp_threads()
+    if ignored:
+        log_main("Threads: %s", ignored, level=logging.WARNING)
     hint = busy_machine_hint(threads, why)
     if hint:
         log_main("Threads: %s", hint, level=logging.WARNING)
@@ -48,6 +51,18 @@ def choose_threads(cfg: Config, environ: dict[str, str] | None = None, cores: in
     processes = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
     threads = max(1, cores // processes)
     return threads, f"{cores} cores, {processes} training process(es) here"
+
+
+def ignored_omp_threads(environ: dict[str, str] | None = None) -> str | None:
+    """A one-line warning when ``OMP_NUM_THREADS`` is set to something :func:`choose_threads` cannot use (not a
+    whole number above 0, e.g. ``zz``), which it then ignores; ``None`` when it is unset, empty or usable."""
+    value = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "")
+    if not value or (value.isdigit() and int(value) > 0):
+        return None
+    return (
+        f"OMP_NUM_THREADS={value!r} is not a whole number of threads above 0, so it is ignored; set it to one "
+        "(e.g. OMP_NUM_THREADS=2) or use train.threads"
+    )
 
 
 def available_cores() -> int:

@@ -29,6 +29,7 @@ Only ``format``, ``version``, ``config`` and ``model`` are needed to evaluate or
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from obow.files import as_write_error, sync_folder, writing
+from obow.files import as_write_error, file_mode, sync_folder, writing
 
 FORMAT = "obow-checkpoint"
 VERSION = 2  # 2: random states as tensors and plain values (weights_only loads), the epoch in progress
@@ -63,9 +64,15 @@ def save_atomic(obj: Any, path: str | Path) -> None:
     The previous file stays whole until the new one is complete: a crash, a kill, a second Ctrl-C or a failed
     write (full disk, file size limit) during the write leaves it intact and removes the temporary file. A
     failed write raises :class:`~obow.files.WriteError` (one line: the file and the cause).
+
+    The file gets the mode of every other file obow writes, ``0o666`` less the umask (:func:`obow.files.file_mode`,
+    ``0o644`` under the usual umask ``022``), not ``mkstemp``'s private ``0o600``: a checkpoint is as readable as
+    the run's ``config.yaml`` and logs beside it, and ``umask 077`` makes all of them private.
     """
     with writing(path) as path:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with contextlib.suppress(OSError):  # a file system without modes keeps its own
+            os.fchmod(fd, file_mode())
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(obj, f)

@@ -39,6 +39,7 @@ from obow import __version__
 from obow.backbones import ResNetBackbone, parse_arch
 from obow.checks import check_choice
 from obow.files import writing
+from obow.notices import ObowWarning
 from obow.weights.checkpoint import save_atomic
 from obow.weights.load import load_backbone
 
@@ -145,7 +146,7 @@ def export_backbone(
     note = STEM_NOTES.get(backbone.stem) if source == "resnet" else TIMM_STEM_NOTES.get(backbone.stem)
     if note:
         meta["stem_note"] = note
-        warnings.warn(note, stacklevel=2)
+        warnings.warn(note, ObowWarning, stacklevel=2)
     with writing(f"{out_path}.json") as sidecar:
         sidecar.write_text(json.dumps(meta, indent=2) + "\n")
     return meta

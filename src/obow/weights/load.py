@@ -5,8 +5,11 @@ A backbone comes from one of three sources:
 * a pretraining checkpoint (``obow pretrain``): the ``student.*`` or ``teacher.*`` entries of the OBoW
   ``state_dict``, loaded with ``strict=True`` (the official code loads with ``strict=False`` and an ignored
   message, official notes 5.1, so a key mismatch went unnoticed there);
-* a file written by ``obow export --format torchvision`` (its ``.json`` sidecar names the architecture and
-  stem), or any torchvision ResNet ``state_dict``;
+* a file written by ``obow export`` (``--format torchvision`` or ``timm``; its ``.json`` sidecar names the
+  architecture, options and stem), or any torchvision ResNet ``state_dict``. Without the sidecar the network is
+  recognised from the weights (:func:`recognise_weights`): a torchvision ResNet, or a timm ResNet (plain, ``d``,
+  ``t`` ...) at any widths, whose ``model.arch_options`` (``channels``, ``stem_width``) are read from the shapes;
+  a stem the weights cannot show (a timm stem, ``no_maxpool``) comes from ``--stem``;
 * a random initialisation (seeded), the baseline every number should be compared with.
 """
 
@@ -14,16 +17,18 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from obow.backbones import STEMS, ResNetBackbone, build_backbone, parse_arch
+from obow.backbones import STEMS, ResNetBackbone, TimmBackbone, build_backbone, parse_arch
 from obow.checks import check_choice
 from obow.config import Config, from_dict
 from obow.data.eval_sets import views_dict
+from obow.notices import ObowWarning
 from obow.weights.checkpoint import describe, load_checkpoint, read_torch_file
 
 NETWORKS = ("student", "teacher")
@@ -127,7 +132,7 @@ def _check_expected(arch: str | None, stem: str | None, found_arch: str, found_s
 
 
 def _load_exported(path: Path, arch: str | None, stem: str | None) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Read an ``obow export --format torchvision`` file (or a torchvision ResNet ``state_dict``)."""
+    """Read an ``obow export`` file (``--format torchvision`` or ``timm``), or a torchvision ResNet ``state_dict``."""
     try:
         state = read_torch_file(path, "backbone file")
     except ValueError as err:
@@ -140,15 +145,10 @@ def _load_exported(path: Path, arch: str | None, stem: str | None) -> tuple[torc
             f"backbone file {str(path)!r} does not hold a state_dict (a mapping of names to tensors): {describe(state)}"
         )
     meta_path = Path(f"{path}.json")
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     what = f"backbone file {str(path)!r}"
-    if not meta:
-        warnings.warn(
-            f"{what} has no {meta_path.name} sidecar: its architecture is recognised from the weights (a timm "
-            "export cannot be told from a torchvision one), and it has no recipe, so the evaluation view is "
-            "chosen from the images",
-            stacklevel=3,
-        )
+    if not meta_path.is_file():
+        return _load_without_sidecar(path, state, arch, stem)
+    meta = json.loads(meta_path.read_text())
     if meta.get("arch") and parse_arch(meta["arch"])[0] != "resnet":
         found_arch, found_stem = meta["arch"], meta.get("stem", "torchvision")
         _check_expected(arch, stem, found_arch, found_stem, what)
@@ -161,30 +161,174 @@ def _load_exported(path: Path, arch: str | None, stem: str | None) -> tuple[torc
     state = {k: v for k, v in state.items() if not k.startswith("fc.")}
     guessed_arch, guessed_stem = guess_architecture(state)
     found_arch = meta.get("arch") or guessed_arch
-    # without the sidecar, a 7x7 conv1 cannot tell the torchvision stem from no_maxpool: trust --stem if given
-    found_stem = (
-        meta.get("stem") or (guessed_stem if guessed_stem == "cifar" or stem is None else stem) or "torchvision"
-    )
+    found_stem = meta.get("stem") or guessed_stem or "torchvision"
     if found_arch is None:
         if arch is None:
             raise ValueError(
-                f"{what} has no {meta_path.name} sidecar and its architecture is not recognised: give --arch"
+                f"{what}: its sidecar names no architecture and the weights are not recognised: give --arch"
             )
         found_arch = arch
     _check_expected(arch, stem, found_arch, found_stem, what)
     backbone = ResNetBackbone(found_arch, found_stem)
     load_weights(backbone, state, what)
-    info = {
+    return backbone, _exported_info(path, found_arch, found_stem, {}, meta)
+
+
+def _exported_info(path: Path, arch: str, stem: str, options: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    return {
         "kind": "exported",
         "path": str(path),
         "network": meta.get("network"),
         "epoch": meta.get("epoch"),
         "iteration": meta.get("iteration"),
-        "arch": found_arch,
-        "stem": found_stem,
+        "arch": arch,
+        "stem": stem,
+        "arch_options": options,
         "views": meta.get("views"),
     }
-    return backbone, info
+
+
+def _load_without_sidecar(
+    path: Path, state: dict[str, Tensor], arch: str | None, stem: str | None
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """An export whose ``.json`` sidecar is missing: the network recognised from its weights
+    (:func:`recognise_weights`), or built from ``--arch`` / ``--stem``; a warning says what was assumed."""
+    what, sidecar = f"backbone file {str(path)!r}", f"{path.name}.json"
+    found = recognise_weights(state)
+    if found is None and arch is None:
+        raise ValueError(
+            f"{what} has no {sidecar} sidecar and its network is not recognised from its weights (neither a "
+            "torchvision nor a timm ResNet layout): put back the sidecar obow export wrote beside it, or give the "
+            "network it was trained with: --arch (resnet18 ..., timm:NAME or torchvision:NAME) and --stem"
+        )
+    if found is None:  # --arch names a network the weights are not recognised as: try it, and say what failed
+        return _load_as_given(path, state, arch, stem or "torchvision")
+    found_stem = found.stem or stem or "torchvision"
+    _check_expected(arch, stem, found.arch, found_stem, what)
+    if found.stem is None and stem is None:
+        stem_text = (
+            "its stem cannot be told from the weights (torchvision, no_maxpool"
+            + (" or cifar" if parse_arch(found.arch)[0] == "timm" else "")
+            + "): taken as torchvision; give --stem if it was trained with another (its recipe's model.stem)"
+        )
+    else:
+        stem_text = f"{found_stem} stem"
+    warnings.warn(
+        f"{what} has no {sidecar} sidecar: recognised from its weights as {found.describe()}; {stem_text}; it has "
+        "no recipe, so the evaluation view is chosen from the images",
+        ObowWarning,
+        stacklevel=4,
+    )
+    backbone = _build_loaded(found.arch, found_stem, found.options, state, what)
+    return backbone, _exported_info(path, found.arch, found_stem, dict(found.options), {})
+
+
+def _load_as_given(
+    path: Path, state: dict[str, Tensor], arch: str, stem: str
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    what = f"backbone file {str(path)!r}"
+    try:
+        backbone = _build_loaded(arch, stem, {}, state, what)
+    except ValueError as err:
+        raise ValueError(
+            f"{err}; a network built with model.arch_options (e.g. other channels) needs the {path.name}.json "
+            "sidecar obow export wrote beside it"
+        ) from None
+    warnings.warn(
+        f"{what} has no {path.name}.json sidecar: loaded as --arch {arch} (--stem {stem}); it has no recipe, so "
+        "the evaluation view is chosen from the images",
+        ObowWarning,
+        stacklevel=4,
+    )
+    return backbone, _exported_info(path, arch, stem, {}, {})
+
+
+def _build_loaded(
+    arch: str, stem: str, options: dict[str, Any], state: dict[str, Tensor], what: str
+) -> torch.nn.Module:
+    """``arch`` with ``stem`` and ``options``, holding ``state``; a ``ValueError`` naming ``what`` if it does not
+    fit."""
+    if parse_arch(arch)[0] == "resnet":
+        backbone = ResNetBackbone(arch, stem)
+        load_weights(backbone, {k: v for k, v in state.items() if not k.startswith("fc.")}, what)
+        return backbone
+    backbone = build_backbone(arch, stem, options)
+    try:
+        backbone.load_export_state_dict(state)
+    except ValueError as err:
+        raise ValueError(f"the weights in {what} {str(err).removeprefix('the weights ')}") from None
+    return backbone
+
+
+@dataclass(frozen=True)
+class Recognised:
+    """What a backbone ``state_dict`` is (:func:`recognise_weights`): ``model.arch``, ``model.arch_options`` and
+    the stem when the weights show it (a 3x3 ``conv1``: the CIFAR stem), else ``None``."""
+
+    arch: str
+    options: dict[str, Any]
+    stem: str | None
+
+    def describe(self) -> str:
+        text = self.arch
+        if self.options:
+            text += " with model.arch_options " + ", ".join(f"{k}={v}" for k, v in self.options.items())
+        return text + (f" ({self.stem} stem)" if self.stem else "")
+
+
+#: timm ResNets by blocks per stage and block type (``True``: bottleneck), tried in order; the letters are stems
+#: (``d``: deep, average-pool shortcut; ``t``: tiered deep; ``c``: deep; ``s``: wide deep).
+TIMM_RESNETS = {
+    ((1, 1, 1, 1), False): ("resnet10t",),
+    ((1, 1, 1, 1), True): ("resnet14t",),
+    ((2, 2, 2, 2), False): ("resnet18", "resnet18d"),
+    ((2, 2, 2, 2), True): ("resnet26", "resnet26d", "resnet26t"),
+    ((3, 4, 6, 3), False): ("resnet34", "resnet34d"),
+    ((3, 4, 6, 3), True): ("resnet50", "resnet50d", "resnet50c", "resnet50s", "resnet50t"),
+    ((3, 4, 23, 3), True): ("resnet101", "resnet101d", "resnet101c", "resnet101s"),
+    ((3, 8, 36, 3), True): ("resnet152", "resnet152d", "resnet152c", "resnet152s"),
+}
+
+
+def recognise_weights(state: dict[str, Tensor]) -> Recognised | None:
+    """The network a backbone ``state_dict`` holds, from its names and shapes alone (``None`` when unknown): a
+    torchvision ResNet of :data:`~obow.backbones.ARCHITECTURES` (the CIFAR stem recognised by its 3x3 ``conv1``),
+    else a timm ResNet of :data:`TIMM_RESNETS`, with the ``channels`` and ``stem_width`` options its widths
+    need. (A timm ResNet at torchvision's widths is a torchvision one: same names, shapes and computation.)"""
+    state = {k: v for k, v in state.items() if not k.startswith("fc.")}
+    arch, stem = guess_architecture(state)
+    if arch is not None:
+        with torch.device("meta"):
+            expected = ResNetBackbone(arch, stem or "torchvision").state_dict()
+        if _same_shapes(expected, state):
+            return Recognised(arch, {}, "cifar" if stem == "cifar" else None)
+    return _recognise_timm_resnet(state)
+
+
+def _recognise_timm_resnet(state: dict[str, Tensor]) -> Recognised | None:
+    stages = [f"layer{i}.0.conv1.weight" for i in range(1, 5)]
+    stem_conv = "conv1.weight" if "conv1.weight" in state else "conv1.3.weight"
+    if not all(k in state for k in (*stages, stem_conv)):
+        return None
+    blocks = tuple(len({k.split(".")[1] for k in state if k.startswith(f"layer{i}.")}) for i in range(1, 5))
+    names = TIMM_RESNETS.get((blocks, "layer1.0.conv3.weight" in state), ())
+    channels = {"channels": [int(state[k].shape[0]) for k in stages]}
+    # the fewest options that fit (timm's single-convolution stem ignores stem_width: always 64 channels)
+    tries = ({}, channels, {**channels, "stem_width": int(state[stem_conv].shape[0])})
+    for name in names:
+        for options in tries:
+            try:
+                with torch.device("meta"):
+                    expected = TimmBackbone(name, "torchvision", options).body.state_dict()
+            except ValueError:
+                continue
+            if _same_shapes(expected, state):
+                return Recognised(f"timm:{name}", options, None)
+    return None
+
+
+def _same_shapes(expected: dict[str, Tensor], state: dict[str, Tensor]) -> bool:
+    return expected.keys() == state.keys() and all(state[k].shape == v.shape for k, v in expected.items())
 
 
 #: Blocks per stage and block type of each torchvision ResNet (``layer1.0.conv2`` tells the Bottleneck kinds apart).
@@ -221,8 +365,8 @@ def load_weights(backbone: ResNetBackbone, state: dict[str, Tensor], what: str) 
     unexpected = [k for k in state if k not in expected]
     reshaped = [k for k in expected if k in state and state[k].shape != expected[k].shape]
     if missing or unexpected or reshaped:
-        found_arch, found_stem = guess_architecture(state)
-        looks = f"{found_arch or 'an unknown architecture'} ({found_stem or 'unknown'} stem)"
+        found = recognise_weights(state)
+        looks = f"they hold {found.describe()}" if found is not None else "their network is not recognised"
         details = []
         if missing:
             details.append(f"{len(missing)} missing keys (e.g. {missing[0]})")
@@ -235,7 +379,7 @@ def load_weights(backbone: ResNetBackbone, state: dict[str, Tensor], what: str) 
                 f"{list(expected[k].shape)})"
             )
         raise ValueError(
-            f"the weights in {what} do not fit a {backbone.arch} with the {backbone.stem} stem; they look like "
-            f"{looks}: {', '.join(details)}"
+            f"the weights in {what} do not fit a {backbone.arch} with the {backbone.stem} stem ({looks}): "
+            f"{', '.join(details)}"
         )
     backbone.load_state_dict(state, strict=True)

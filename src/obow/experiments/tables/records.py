@@ -142,6 +142,20 @@ def _shared_text(plan: dict[str, Any]) -> str:
     return text
 
 
+def _knn_k_text(record: dict[str, Any]) -> str:
+    """``k=<the k the runs used>``: the protocol's ``k`` is capped at the number of training images (the kNN
+    memory), and each run's scores record the k it used (``knn_k``); the asked k is said when it differs."""
+    asked = record["protocol"]["k"]
+    runs = [run for row in (record["random_init"], *record["rows"]) for run in row["runs"]]
+    used = sorted({run["scores"]["knn_k"] for run in runs if isinstance(run["scores"].get("knn_k"), int)})
+    if not used or used == [asked]:
+        return f"k={asked}"
+    return (
+        f"k={'/'.join(map(str, used))} ({asked} asked; at most the {record['train_images']} training images the "
+        "kNN memory holds)"
+    )
+
+
 def _precision_text(plan: dict[str, Any]) -> str:
     """A sentence for a table trained in mixed precision (none for float32, which every table before
     ``train.precision: auto`` used without recording it)."""
@@ -176,7 +190,7 @@ def markdown(record: dict[str, Any], columns: tuple[str, ...]) -> str:
         "",
         f"{record['note']}. Recipe `{record['recipe']}`, {_budget_text(record)}, on {record['train_images']} training "
         f"images; seeds {seeds} (mean ± sample standard deviation); evaluated on {record['test_images']} test images "
-        f"(kNN k={protocol['k']}, T={protocol['temperature']}; few-shot {protocol['episodes']} episodes). "
+        f"(kNN {_knn_k_text(record)}, T={protocol['temperature']}; few-shot {protocol['episodes']} episodes). "
         f"Machine: {record.get('machine', 'not recorded')}."
         + _precision_text(record.get("plan", {}))
         + (f" Changes to the recipe for every row: {', '.join(f'`{o}`' for o in overrides)}." if overrides else "")

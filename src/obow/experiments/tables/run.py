@@ -30,6 +30,7 @@ from obow.experiments.tables.records import (
     write_json,
 )
 from obow.files import writing
+from obow.notices import route_warnings
 
 log = logging.getLogger("obow")
 
@@ -124,9 +125,10 @@ def run_table(
     sets = eval_dataset(train_images, base.views), eval_dataset(test_images, base.views)
     values = placeholders(base, len(train_images))
     protocol = {"k": k, "temperature": temperature, "episodes": episodes}
-    steps_per_epoch = max(1, len(train_images) // base.data.batch_size)
     folder = Path(out) / name
     chosen = select_rows(table, rows)
+    check_stages(chosen, recipe, common, values, len(train_images), train_dir)  # before anything is written
+    steps_per_epoch = len(train_images) // base.data.batch_size
     with RunLock(folder):  # one `obow tables run` per table folder: its rows' runs and results are shared
         device = "cuda" if base.train.device != "cpu" and _cuda() else "cpu"
         expected = {
@@ -222,6 +224,37 @@ def run_table(
         return record
 
 
+def check_stages(
+    rows: list[Row], recipe: str, common: list[str], values: dict[str, Any], train_images: int, train_dir: Path
+) -> None:
+    """A ``ValueError`` when a stage of ``rows`` could not train on ``train_images`` images (its batch larger
+    than them), found before the table's folder, plan or any result is written: a corrected call then starts
+    afresh instead of meeting a plan made for the failed one."""
+    from obow.config import load_config
+
+    for row in rows:
+        for stage in row.plan():
+            items = [*common, *fill_placeholders(stage.overrides, values)]
+            cfg = load_config(recipe, items + (["bownet.teacher=unused-when-checking.pt"] if stage.teacher else []))
+            if cfg.data.batch_size > train_images:
+                which = f"{row.label!r}" + (f" ({stage.name})" if len(row.plan()) > 1 else "")
+                raise ValueError(
+                    f"row {which} trains with data.batch_size={cfg.data.batch_size}, more than the {train_images} "
+                    f"training images under {train_dir} (after --per-class / data.images_per_class): give a "
+                    f"smaller batch (e.g. data.batch_size={largest_batch(train_images)}) or more images; nothing "
+                    "was written"
+                )
+
+
+def largest_batch(images: int) -> int:
+    """A batch to suggest for ``images`` training images: the largest power of two that leaves at least two
+    steps an epoch (one when there are fewer than two images)."""
+    batch = 1
+    while batch * 4 <= images:
+        batch *= 2
+    return batch
+
+
 @dataclass(frozen=True)
 class Task:
     """One run of a table: a row (``None``: the random init) at a seed."""
@@ -296,6 +329,7 @@ def _task_process(task_args: tuple, threads: int) -> None:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s %(levelname)s [{task_args[0]}] %(message)s", datefmt="%H:%M:%S"
     )
+    route_warnings()  # as in the obow command that started it
     torch.set_num_threads(threads)  # the evaluation's threads; training takes train.threads
     try:
         _run_task(*task_args)

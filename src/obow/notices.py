@@ -1,0 +1,51 @@
+"""Warnings for the user, and how the ``obow`` command shows them.
+
+obow warns its user with :class:`ObowWarning` (a ``UserWarning``): skipped unreadable or empty images, an export
+without its sidecar, a diverged linear probe, a stem the reader must set. Python would print such a warning as
+``/path/to/obow/evaluate/features.py:52: UserWarning: ...`` followed by a line of source code, which reads like a
+traceback. The ``obow`` command (:func:`route_warnings`) shows each one instead as one line of its log,
+``HH:MM:SS WARNING <message>``, through the ``obow`` logger; the warnings of the libraries underneath (PyTorch,
+torchvision, timm, scikit-learn) say nothing a user can act on and go to that logger at DEBUG level, which is
+not shown. Anyone who wants Python's own display back asks for it as usual, with ``python -W ...`` or
+``PYTHONWARNINGS``: then nothing is routed.
+
+Code that uses obow as a library sees ordinary Python warnings (filter or record them as usual).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from typing import Any, TextIO
+
+log = logging.getLogger("obow")
+
+
+class ObowWarning(UserWarning):
+    """A warning obow gives its user; the ``obow`` command shows it as one log line (:func:`route_warnings`)."""
+
+
+def route_warnings() -> None:
+    """Show :class:`ObowWarning` as one ``obow`` log line and hide other warnings (at DEBUG level), unless the
+    user chose Python's warnings display (``-W`` or ``PYTHONWARNINGS``). For the ``obow`` command and the
+    processes it starts; a forked process (a data-loading worker) inherits the routing."""
+    if sys.warnoptions:
+        return
+    warnings.showwarning = show_warning
+
+
+def show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+    **_: Any,
+) -> None:
+    """:data:`warnings.showwarning` for the ``obow`` command: one line, no source path or code."""
+    if issubclass(category, ObowWarning):
+        log.warning("%s", message)
+    else:
+        log.debug("%s: %s (%s:%d)", category.__name__, message, filename, lineno)

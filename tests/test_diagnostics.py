@@ -61,7 +61,7 @@ def test_bad_shapes_are_rejected():
 
 @pytest.mark.parametrize("interval", [1, 3, 4, 7])
 def test_logged_steps_counts_what_logged_step_selects(interval):
-    from obow.training.loop import logged_step, logged_steps
+    from obow.training.logger import logged_step, logged_steps
 
     for first in range(0, 15):
         for steps in range(0, 12):
@@ -76,10 +76,10 @@ def test_a_run_computes_the_diagnostics_on_its_logged_steps_and_averages_them_pe
     """The effective rank's SVD costs more than a small GPU step, so only the logged steps compute it; the epoch
     record's value is the mean of theirs."""
     from obow.config import load_config
-    from obow.training import loop
+    from obow.training import logger
     from obow.training.loop import pretrain
 
-    monkeypatch.setattr(loop, "MIN_LOGGED_STEPS", 1)  # a short run would otherwise log every step
+    monkeypatch.setattr(logger, "MIN_LOGGED_STEPS", 1)  # a short run would otherwise log every step
 
     data = write_images(tmp_path / "data", per_class=10, size=20)  # 20 images, batch 4: 5 steps an epoch
     overrides = [f"data.path={data}", "data.batch_size=4", "optim.epochs=2", "train.log_every=2"]

@@ -9,7 +9,8 @@ import pytest
 
 from obow.config import load_config
 from obow.schedules import learning_rate
-from obow.training.loop import log_interval, pretrain
+from obow.training.logger import log_interval
+from obow.training.loop import pretrain
 from obow.training.state import RunError
 from obow.training.threads import busy_machine_hint, choose_threads
 from obow.weights.checkpoint import load_checkpoint

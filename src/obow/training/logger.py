@@ -135,3 +135,28 @@ def format_seconds(seconds: float) -> str:
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+#: A short run logs often enough to give ``obow show run`` this many points per curve.
+MIN_LOGGED_STEPS = 100
+
+
+def logged_step(iteration: int, interval: int, last_of_epoch: bool) -> bool:
+    """Whether step ``iteration`` (counted from 1) is logged, and so computes its diagnostics: every
+    ``interval``-th step and each epoch's last."""
+    return iteration % interval == 0 or last_of_epoch
+
+
+def logged_steps(first: int, steps: int, interval: int) -> int:
+    """How many of the ``steps`` steps after iteration ``first`` (``first + 1 ... first + steps``, an epoch's
+    steps so far, its last among them) are logged: every ``interval``-th, and the last if it is not one."""
+    if steps <= 0:
+        return 0
+    end = first + steps
+    return end // interval - first // interval + (end % interval != 0)
+
+
+def log_interval(cfg: Config, total_iterations: int) -> int:
+    """Steps between two step records: ``train.log_every``, or less for a short run, so that its log holds at
+    least :data:`MIN_LOGGED_STEPS` points (a curve rather than a dot in ``obow show run``)."""
+    return max(1, min(cfg.train.log_every, total_iterations // MIN_LOGGED_STEPS))

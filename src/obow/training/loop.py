@@ -45,7 +45,7 @@ from obow.training.build import (
     setup_process,
 )
 from obow.training.lock import RunLock
-from obow.training.logger import RunLogger, log_main
+from obow.training.logger import RunLogger, log_interval, log_main, logged_step, logged_steps
 from obow.training.precision import precision_context, settle_precision
 from obow.training.state import (
     Interrupted,
@@ -72,10 +72,6 @@ EPOCH_MEANS = {
     "student/effective_rank": "effective_rank",
     "student/mean_cosine": "mean_cosine",
 }
-
-
-#: A short run logs often enough to give ``obow show run`` this many points per curve.
-MIN_LOGGED_STEPS = 100
 
 
 class Monitor(Protocol):
@@ -325,27 +321,6 @@ def note_skipped(state: RunState, skipped: list[str]) -> None:
     for path in sorted(new):
         log.warning("skipped unreadable image %s", path)
     state.skipped |= new
-
-
-def logged_step(iteration: int, interval: int, last_of_epoch: bool) -> bool:
-    """Whether step ``iteration`` (counted from 1) is logged, and so computes its diagnostics: every
-    ``interval``-th step and each epoch's last."""
-    return iteration % interval == 0 or last_of_epoch
-
-
-def logged_steps(first: int, steps: int, interval: int) -> int:
-    """How many of the ``steps`` steps after iteration ``first`` (``first + 1 ... first + steps``, an epoch's
-    steps so far, its last among them) are logged: every ``interval``-th, and the last if it is not one."""
-    if steps <= 0:
-        return 0
-    end = first + steps
-    return end // interval - first // interval + (end % interval != 0)
-
-
-def log_interval(cfg: Config, total_iterations: int) -> int:
-    """Steps between two step records: ``train.log_every``, or less for a short run, so that its log holds at
-    least :data:`MIN_LOGGED_STEPS` points (a curve rather than a dot in ``obow show run``)."""
-    return max(1, min(cfg.train.log_every, total_iterations // MIN_LOGGED_STEPS))
 
 
 def make_monitor(

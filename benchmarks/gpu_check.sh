@@ -28,25 +28,8 @@ T0=$(date +%s)
 : > "$OUT/summary.txt"
 : > "$OUT/all.log"
 
-part() { # part NAME CAP command...: run with a timeout of min(CAP, time left), log, summarise
-    local name=$1 cap=$2
-    shift 2
-    case " ${SKIP:-} " in *" $name "*)
-        echo "$name skipped (SKIP)" | tee -a "$OUT/summary.txt"
-        return ;;
-    esac
-    local left=$((DEADLINE - ($(date +%s) - T0)))
-    if [ "$left" -lt 10 ]; then
-        echo "$name skipped (deadline)" | tee -a "$OUT/summary.txt"
-        return
-    fi
-    [ "$cap" -gt "$left" ] && cap=$left
-    local start=$(date +%s)
-    echo "===== $name (cap ${cap}s): $*" >> "$OUT/all.log"
-    timeout "$cap" "$@" >> "$OUT/all.log" 2>&1
-    local rc=$?
-    echo "$name rc=$rc $(($(date +%s) - start))s" | tee -a "$OUT/summary.txt"
-}
+# shellcheck source=benchmarks/gpu_parts.sh
+source benchmarks/gpu_parts.sh # part NAME CAP command...
 
 part env 30 bash -c 'nvidia-smi -L; python3 -c "import torch, torchvision; print(torch.__version__, torchvision.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0))"'
 case " ${SKIP:-} " in

@@ -35,25 +35,8 @@ T0=$(date +%s)
 : > "$OUT/summary.txt"
 : > "$OUT/all.log"
 
-part() { # part NAME CAP command...: run with a timeout of min(CAP, time left), log, summarise
-    local name=$1 cap=$2
-    shift 2
-    case " ${SKIP:-} " in *" $name "*)
-        echo "$name skipped (SKIP)" | tee -a "$OUT/summary.txt"
-        return ;;
-    esac
-    local left=$((DEADLINE - ($(date +%s) - T0)))
-    if [ "$left" -lt 10 ]; then
-        echo "$name skipped (deadline)" | tee -a "$OUT/summary.txt"
-        return
-    fi
-    [ "$cap" -gt "$left" ] && cap=$left
-    local start=$(date +%s)
-    echo "===== $name (cap ${cap}s): $*" >> "$OUT/all.log"
-    timeout -k 5 "$cap" "$@" >> "$OUT/all.log" 2>&1
-    local rc=$?
-    echo "$name rc=$rc $(($(date +%s) - start))s" | tee -a "$OUT/summary.txt"
-}
+# shellcheck source=benchmarks/gpu_parts.sh
+source benchmarks/gpu_parts.sh # part NAME CAP command...
 
 if [ "$SMALL" = 1 ]; then # the dry run: every part, tiny
     S1=1 S2=1 B_BIG=16 B_R50=8 B_LIB=16 B_REC="data.batch_size=8" QUAL="data.batch_size=16 data.images_per_class=8"

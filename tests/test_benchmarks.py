@@ -161,3 +161,77 @@ def test_gpu_check_dry_run_on_the_cpu_pretrains_evaluates_and_launches_torchrun(
     assert ran["pretrain"] == "rc=0" and ran["torchrun_nccl"] == "rc=0", (tmp_path / "out" / "all.log").read_text()
     log = (tmp_path / "out" / "all.log").read_text()
     assert "top-1" in log and log.count("done: 2 epochs") == 2  # the kNN table, and both runs finished
+
+
+# ------------------------------------------------------------------ the data pipelines' benchmarks (issue 37)
+
+
+@pytest.fixture(scope="module")
+def throughput():
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))  # as a module of its name: its dataclass and gpu_profile's import need it
+    return importlib.import_module("throughput")
+
+
+def test_throughput_times_both_pipelines_and_both_diagnostics_rhythms(throughput, tmp_path, tiny_recipe, write_images):
+    data = write_images(tmp_path / "data", per_class=8, size=20)
+    common = ["--config", str(tiny_recipe), "--data", str(data), "--device", "cpu", "--steps", "2", "--rounds", "2"]
+    common += ["--warmup", "1", "--min-images", "32", "--workers", "1", "--cache-dir", str(tmp_path / "cache")]
+    result = throughput.main([*common, "--json", str(tmp_path / "t.json"), "train.tensorboard=false"])
+    assert set(result["images_per_s"]) == {"workers", "device"}
+    for rates in result["images_per_s"].values():
+        assert set(rates) == {"end_to_end", "loader", "step"} and all(r > 0 for r in rates.values())
+    for times in result["seconds"].values():
+        assert all(len(t) == 2 for t in times.values())  # one timing per round
+    both = throughput.main(
+        [*common, "--pipelines", "device", "--diagnose", "every", "logged", "--json", str(tmp_path / "t.json")]
+    )
+    assert set(both["images_per_s"]) == {"device, diagnostics every", "device, diagnostics logged"}
+    assert len(json.loads((tmp_path / "t.json").read_text())) == 2  # --json appends
+
+
+def test_the_benchmark_step_diagnoses_as_the_loop_does(throughput, tmp_path, tiny_recipe, write_images):
+    """``--diagnose logged`` computes the collapse diagnostics every ``train.log_every``-th step, as ``obow
+    pretrain``; ``every`` on each step."""
+    data = write_images(tmp_path / "data", per_class=4, size=20)
+    cfg = load_config(
+        tiny_recipe, [f"data.path={data}", "data.pipeline=device", f"data.cache_dir={tmp_path}", "train.log_every=3"]
+    )
+    for diagnose, expected in (("logged", [False, False, True, False, False, True]), ("every", [True] * 6)):
+        setup = throughput.build("device", cfg, torch.device("cpu"), min_images=8, diagnose=diagnose)
+        seen = []
+        for _ in range(6):
+            throughput.step(setup, next(setup.batches))
+            seen.append(setup.run.model.diagnose)
+        assert seen == expected, diagnose
+
+
+def test_views_libraries_compares_obow_with_the_installed_libraries(tmp_path):
+    views_libraries = load_script("views_libraries")
+    rates = views_libraries.main(["--config", "cifar10_fast", "--device", "cpu", "--batch", "8", "--repeats", "2"])
+    assert rates["obow"] > 0 and all(r > 0 for r in rates.values())
+
+
+def test_gpu_profile_runs_on_the_cpu(throughput, tmp_path, tiny_recipe, write_images, capsys):
+    gpu_profile = load_script("gpu_profile")
+    data = write_images(tmp_path / "data", per_class=8, size=20)
+    gpu_profile.main(["--config", str(tiny_recipe), "--data", str(data), "--device", "cpu", "--steps", "1",
+                      "--warmup", "1", "--cache-dir", str(tmp_path / "cache"), "--top", "5"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "wall per step:" in out and "views: host" in out and "step: host" in out
+
+
+def test_gpu_throughput_pass_skips_what_it_is_told_and_keeps_its_deadline(tmp_path):
+    parts = re.findall(r"^part (\w+)", (BENCHMARKS / "gpu_throughput.sh").read_text(), flags=re.M)
+    assert {"c10r18", "c10r18_big", "quality", "profile", "libraries"} <= set(parts)
+    env = dict(os.environ, OUT=str(tmp_path / "out"), C10=str(tmp_path), INETTE=str(tmp_path), DEVICE="cpu")
+    env.update(DEADLINE="60", SKIP=" ".join(parts))
+    subprocess.run(["bash", str(BENCHMARKS / "gpu_throughput.sh")], env=env, check=True, capture_output=True)
+    lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    assert lines[:-1] == [f"{name} skipped (SKIP)" for name in parts] and re.fullmatch(r"total \d+s", lines[-1])
+    env.update(DEADLINE="0", SKIP="", OUT=str(tmp_path / "late"))
+    subprocess.run(["bash", str(BENCHMARKS / "gpu_throughput.sh")], env=env, check=True, capture_output=True)
+    lines = (tmp_path / "late" / "summary.txt").read_text().splitlines()
+    assert lines[:-1] == [f"{name} skipped (deadline)" for name in parts]

@@ -18,7 +18,9 @@
 #      seeds 0 and 1, the four runs at once, kNN (k=200) on the 10,000 test images;
 #   3. torch.profiler of a few steps (benchmarks/gpu_profile.py);
 #   4. obow's batched crops against kornia and torchvision (benchmarks/views_libraries.py);
-#   5. cifar10_fast at its recipe's settings, workers against device; torch.compile (train.compile) at a large batch.
+#   5. cifar10_fast at its recipe's settings, workers against device; torch.compile (train.compile) at a large batch;
+#   6. batchlr: batch 512 with a linearly scaled learning rate against the recipe's 128 at equal epochs (BEPOCHS,
+#      default 3), all of CIFAR-10, seeds 0 and 1, kNN on the test images (batchlr.jsonl).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_throughput_out}
@@ -41,14 +43,15 @@ source benchmarks/gpu_parts.sh # part NAME CAP command...
 if [ "$SMALL" = 1 ]; then # the dry run: every part, tiny
     S1=1 S2=1 B_BIG=16 B_R50=8 B_LIB=16 B_REC="data.batch_size=8" QUAL="data.batch_size=16 data.images_per_class=8"
     TPX="--warmup 1 --rounds 1 --min-images 64" PROFX="--warmup 1 --steps 1" QEPOCHS=1
+    BDIV=16 BEPOCHS=1 BQUAL="data.images_per_class=8"
 else
     S1=15 S2=8 B_BIG=512 B_R50=128 B_LIB=512 B_REC="" QUAL="data.images_per_class=1000" TPX="--warmup 3" PROFX=""
-    QEPOCHS=3
+    QEPOCHS=3 BDIV=1 BEPOCHS=${BEPOCHS:-3} BQUAL=""
 fi
 TP="python3 benchmarks/throughput.py --device $DEVICE --workers $WORKERS --cache-dir $CACHE --json $OUT/throughput.json $TPX"
 FAST="train.precision=bf16 train.channels_last=true"
 [ "$DEVICE" = cpu ] && FAST="train.precision=fp32 train.channels_last=true" # bf16 is emulated on some CPUs
-export OUT C10 INETTE DEVICE WORKERS CACHE B_BIG B_LIB B_REC QUAL QEPOCHS FAST PROFX
+export OUT C10 INETTE DEVICE WORKERS CACHE B_BIG B_LIB B_REC QUAL QEPOCHS FAST PROFX BEPOCHS BQUAL BDIV
 
 part env 20 bash -c 'nproc; nvidia-smi -L 2>/dev/null; python3 -c "import torch, torchvision; print(torch.__version__, torchvision.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0))"'
 part c10r18 80 $TP --config cifar10_resnet18 --data "$C10/train" --steps $S1 $B_REC --label "recipe: batch 128, fp32"
@@ -89,5 +92,27 @@ part libraries 40 bash -c "$(declare -f libraries); libraries > $OUT/libraries.t
 # second call: the recipe's own settings of cifar10_fast against workers, then torch.compile of the networks
 part c10fast 60 $TP --config cifar10_fast --data "$C10/train" --steps $S1 $B_REC --label "recipe: batch 128, fp32"
 part c10r18_compile 200 $TP --pipelines device --warmup 6 --config cifar10_resnet18 --data "$C10/train" --steps $S2 data.batch_size=$B_BIG $FAST train.compile=true
+# the large-batch lever at equal epochs: batch 128 (lr 0.05, the recipe) against batch 512 with the learning rate
+# scaled linearly with the batch (lr 0.2, Goyal et al.'s rule, the recipe's warm-up), all of CIFAR-10, device
+# pipeline, fp32, seeds 0 and 1, the four runs at once; kNN (k=200) on the 10,000 test images at the end
+batchlr() {
+    local seed run
+    for seed in 0 1; do
+        for run in "128 0.05" "512 0.2"; do
+            set -- $run
+            python3 -m obow pretrain --config cifar10_resnet18 --data "$C10/train" --val "$C10/test" \
+                --out "/tmp/batchlr/b$1-s$seed" data.pipeline=device data.batch_size=$(($1 / BDIV)) optim.lr=$2 \
+                data.cache_dir=$CACHE train.device=$DEVICE train.seed=$seed optim.epochs=$BEPOCHS \
+                train.knn_every=$BEPOCHS train.knn_k=200 train.progress_bar=false train.tensorboard=false $BQUAL \
+                > "/tmp/batchlr-b$1-s$seed.log" 2>&1 &
+        done
+    done
+    wait
+    for f in /tmp/batchlr/*/log.jsonl; do
+        python3 -c "import json,sys; [print(json.dumps({'run': sys.argv[2], **json.loads(l)})) for l in open(sys.argv[1]) if 'epoch_time_s' in l]" \
+            "$f" "$(basename "$(dirname "$f")")" >> "$OUT/batchlr.jsonl"
+    done
+}
+part batchlr 300 bash -c "$(declare -f batchlr); batchlr"
 grep -h -A8 "^$\|on .*alternating" "$OUT/all.log" | grep "^|\|alternating\|device / workers" > "$OUT/throughput.md"
 echo "total $(($(date +%s) - T0))s" | tee -a "$OUT/summary.txt"

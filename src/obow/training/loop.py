@@ -41,6 +41,7 @@ from obow.training.build import (
     build_data,
     build_model,
     build_optimizer,
+    data_pipeline,
     prepare_step_model,
     setup_process,
 )
@@ -166,7 +167,10 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
     if cfg.data.path is None:
         raise RunError("no training images: set data.path (obow pretrain --data DIR)")
     check_inputs(cfg)  # before the run folder is created
-    with RunLock(out, device=device), chosen_threads(cfg):  # one writer per run folder, from here to the end
+    with (
+        RunLock(out, device=device),
+        chosen_threads(cfg, workers=data_pipeline(cfg, device) == "workers"),
+    ):  # one writer per run folder, from here to the end
         cfg = settle_precision(cfg, out, device)
         ckpt = open_run(cfg, out)
         images, sampler, loader = build_data(cfg, device)

@@ -16,12 +16,13 @@ __all__ = ["available_cores", "busy_machine_hint", "choose_threads", "chosen_thr
 
 
 @contextlib.contextmanager
-def chosen_threads(cfg: Config) -> Iterator[None]:
-    """Run with :func:`choose_threads`'s choice (said in the run's header), then restore the caller's."""
+def chosen_threads(cfg: Config, workers: bool = True) -> Iterator[None]:
+    """Run with :func:`choose_threads`'s choice (said in the run's header, with the loader workers' one thread
+    when ``workers``: the device pipeline has none), then restore the caller's."""
     threads, why = choose_threads(cfg)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    log_main("Threads: %d per training process (%s); 1 per data-loading worker", threads, why)
+    log_main("Threads: %d per training process (%s)%s", threads, why, "; 1 per data-loading worker" if workers else "")
     ignored = ignored_omp_threads()
     if ignored:
         log_main("Threads: %s", ignored, level=logging.WARNING)

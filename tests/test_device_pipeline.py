@@ -228,3 +228,24 @@ def test_each_process_renders_its_share_of_the_single_process_batch(tmp_path):
         for key in whole:
             joined = torch.cat([ranks[0][i][key], ranks[1][i][key]])
             torch.testing.assert_close(joined, whole[key], rtol=0, atol=1e-5)
+
+
+def test_a_folders_subsets_keep_their_caches_and_the_least_recently_used_goes(tmp_path, monkeypatch):
+    """Runs on subsets of one folder (``data.images_per_class``) each have a cache; switching back to one reads
+    it again; beyond :data:`~obow.data.cache.KEEP_PER_FOLDER` the least recently used is removed."""
+    write_squares(tmp_path / "data" / "a", 6)
+    folder = str(tmp_path / "data")
+    caches = {n: build_cache(scan_images(folder, "folders", n), 24, cache_dir=tmp_path / "c") for n in (2, 3, 4)}
+    assert all(c.file.exists() for c in caches.values())
+
+    def no_decoding(path, side):
+        raise AssertionError("decoded again")
+
+    with monkeypatch.context() as m:
+        m.setattr(cache_module, "_decode", no_decoding)
+        build_cache(scan_images(folder, "folders", 2), 24, cache_dir=tmp_path / "c")  # read back: now the newest
+    five = build_cache(scan_images(folder, "folders", 5), 24, cache_dir=tmp_path / "c")
+    assert cache_module.KEEP_PER_FOLDER == 3
+    assert five.file.exists() and caches[2].file.exists() and caches[4].file.exists()
+    assert not caches[3].file.exists()  # the least recently used of the folder's caches
+    assert len(list((tmp_path / "c").glob("*.u8"))) == 3

@@ -5,8 +5,10 @@ image is decoded once per run set-up instead of once per sample. The array is a 
 (default ``$XDG_CACHE_HOME/obow`` or ``~/.cache/obow``), named by a key of the folder's contents (every image's
 relative path, size in bytes and modification time) and the cached size: a later run on the same, unchanged
 images reads it back at once; a changed, added or removed file gives another key and the cache is rebuilt (the
-stale file of the same folder and size is removed). It is read into memory when it fits in half of the memory
-available, memory-mapped otherwise (:attr:`ImageCache.where` says which, and the run's header prints it).
+cache of the same images' earlier contents is removed). A folder's subsets (``data.images_per_class``) have
+caches of their own: the :data:`KEEP_PER_FOLDER` most recently used per folder and size are kept. It is read
+into memory when it fits in half of the memory available, memory-mapped otherwise (:attr:`ImageCache.where`
+says which, and the run's header prints it).
 
 Every image is stored as a square of ``S`` pixels: its central square, resized with PIL's antialiased bilinear
 filter to ``S``. ``S`` is ``data.cache_size`` when set; otherwise the images' own size when they all are squares
@@ -18,6 +20,7 @@ Unreadable files are left out, with one warning that counts them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -36,6 +39,9 @@ log = logging.getLogger("obow")
 
 #: Bumped when the file layout or the decoding changes, so that old caches are not read.
 CACHE_VERSION = 1
+#: Caches kept per folder and side: the most recently used ones (a folder's subsets, ``data.images_per_class``,
+#: each have their own); older ones, and those of a folder's earlier contents, are removed when one is written.
+KEEP_PER_FOLDER = 3
 
 
 @dataclass
@@ -77,6 +83,14 @@ def contents_key(images: ImageList) -> str:
     for path in images.paths:
         stat = os.stat(path)
         digest.update(f"{os.path.relpath(path, images.root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:20]
+
+
+def names_key(images: ImageList) -> str:
+    """A digest of the images' relative paths alone: the same for a folder's earlier and later contents."""
+    digest = hashlib.sha256()
+    for path in images.paths:
+        digest.update(f"{os.path.relpath(path, images.root)}\n".encode())
     return digest.hexdigest()[:20]
 
 
@@ -128,6 +142,9 @@ def build_cache(
     file, meta_file = folder / f"{key}.u8", folder / f"{key}.json"
     if not (file.is_file() and meta_file.is_file()):
         _write_cache(images, side, folder, key)
+    else:
+        with contextlib.suppress(OSError):
+            os.utime(meta_file)  # used now: the last to be removed
     meta = json.loads(meta_file.read_text())
     kept = meta["kept"]
     shape = (len(kept), 3, side, side)
@@ -144,9 +161,8 @@ def build_cache(
 def _write_cache(images: ImageList, side: int, folder: Path, key: str) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        for stale in folder.glob(f"{folder_key(images.root)}-*-{side}px.*"):  # the folder's earlier contents
-            if not stale.name.startswith(key):
-                stale.unlink(missing_ok=True)
+        names = names_key(images)
+        remove_old_caches(folder, f"{folder_key(images.root)}-*-{side}px", KEEP_PER_FOLDER - 1, key, names)
         partial = folder / f"{key}.u8.{os.getpid()}.partial"  # runs that build the same cache at once do not mix
         kept: list[int] = []
         with open(partial, "wb") as out, ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
@@ -163,10 +179,30 @@ def _write_cache(images: ImageList, side: int, folder: Path, key: str) -> None:
         skipped = sorted(set(range(len(images))) - set(kept))
         log.warning("image cache: %d unreadable images left out (e.g. %s)", len(skipped), images.paths[skipped[0]])
     os.replace(partial, folder / f"{key}.u8")
-    meta = {"version": CACHE_VERSION, "root": images.root, "side": side, "kept": kept}
+    meta = {"version": CACHE_VERSION, "root": images.root, "side": side, "names": names, "kept": kept}
     partial_meta = folder / f"{key}.json.{os.getpid()}.partial"
     partial_meta.write_text(json.dumps(meta))
     os.replace(partial_meta, folder / f"{key}.json")  # last: a cache with its list of images is complete
+
+
+def remove_old_caches(folder: Path, pattern: str, keep: int, current: str, names: str) -> None:
+    """Before cache ``current`` (of the image list ``names``, :func:`names_key`) is written: remove the other
+    caches named ``pattern`` in ``folder`` that hold the same list's earlier contents, or that are incomplete
+    (no metadata file), and of the rest all but the ``keep`` most recently used (by their metadata file's
+    modification time). Nothing of ``current`` is touched (another process may be writing it too)."""
+
+    def other_list(meta: Path) -> bool:
+        try:
+            return json.loads(meta.read_text()).get("names") != names
+        except (OSError, ValueError):
+            return False
+
+    metas = [m for m in folder.glob(f"{pattern}.json") if not m.name.startswith(current) and other_list(m)]
+    metas.sort(key=lambda m: m.stat().st_mtime_ns, reverse=True)
+    kept = {current} | {m.name[: -len(".json")] for m in metas[:keep]}
+    for path in folder.glob(f"{pattern}.*"):
+        if path.name.split(".")[0] not in kept:
+            path.unlink(missing_ok=True)
 
 
 def available_memory() -> int:

@@ -60,27 +60,35 @@ part c10fast_big 35 $TP --pipelines device --config cifar10_fast --data "$C10/tr
 part in20 40 $TP --pipelines device --config imagenet20_resnet18_full --data "$INETTE/train" --steps $S2 $B_REC data.images_per_class=null $FAST
 part r50 45 $TP --pipelines device --config imagenet_resnet50_full --data "$INETTE/train" --steps $S2 data.batch_size=$B_R50 data.images_per_class=null $FAST
 
+c10run() { # c10run NAME EPOCHS key=value...: a cifar10_resnet18 run on $C10 in the background, kNN at its end
+    local name=$1 epochs=$2
+    shift 2
+    mkdir -p /tmp/runs
+    python3 -m obow pretrain --config cifar10_resnet18 --data "$C10/train" --val "$C10/test" --out "/tmp/runs/$name" \
+        data.cache_dir=$CACHE train.device=$DEVICE optim.epochs=$epochs train.knn_every=$epochs train.knn_k=200 \
+        train.progress_bar=false train.tensorboard=false "$@" > "/tmp/runs/$name.log" 2>&1 &
+}
+epoch_records() { # epoch_records NAME...: the end of each run's log, and its epoch records tagged with its name
+    local name
+    for name in "$@"; do
+        tail -n 3 "/tmp/runs/$name.log" >&2 # to all.log
+        python3 -c "import json,sys; [print(json.dumps({'run': sys.argv[2], **json.loads(l)})) for l in open(sys.argv[1]) if 'epoch_time_s' in l]" \
+            "/tmp/runs/$name/log.jsonl" "$name"
+    done
+}
+RUNS="c10run epoch_records"
 quality() { # four runs at once (workers and device pipeline, seeds 0 and 1), then their epoch records
     local seed pipe
     for seed in 0 1; do
         for pipe in workers device; do
-            python3 -m obow pretrain --config cifar10_resnet18 --data "$C10/train" --val "$C10/test" \
-                --out "/tmp/quality/$pipe-s$seed" data.pipeline=$pipe data.num_workers=$((WORKERS / 2)) \
-                data.cache_dir=$CACHE train.device=$DEVICE train.seed=$seed optim.epochs=$QEPOCHS \
-                train.knn_every=$QEPOCHS train.knn_k=200 train.progress_bar=false train.tensorboard=false $QUAL \
-                > "/tmp/quality-$pipe-s$seed.log" 2>&1 &
+            # shellcheck disable=SC2086
+            c10run "$pipe-s$seed" $QEPOCHS data.pipeline=$pipe data.num_workers=$((WORKERS / 2)) train.seed=$seed $QUAL
         done
     done
     wait
-    for seed in 0 1; do
-        for pipe in workers device; do
-            tail -n 3 "/tmp/quality-$pipe-s$seed.log"
-            python3 -c "import json,sys; [print(json.dumps({'pipeline': sys.argv[2], 'seed': int(sys.argv[3]), **json.loads(l)})) for l in open(sys.argv[1]) if 'epoch_time_s' in l]" \
-                "/tmp/quality/$pipe-s$seed/log.jsonl" $pipe $seed >> "$OUT/quality.jsonl"
-        done
-    done
+    epoch_records workers-s0 device-s0 workers-s1 device-s1 > "$OUT/quality.jsonl"
 }
-part quality 110 bash -c "$(declare -f quality); quality"
+part quality 110 bash -c "$(declare -f $RUNS quality); quality"
 profile() {
     python3 benchmarks/gpu_profile.py --config cifar10_resnet18 --data "$C10/train" --device $DEVICE --cache-dir $CACHE --pipeline device $PROFX --top 15 data.batch_size=$B_BIG $FAST
 }
@@ -100,19 +108,13 @@ batchlr() {
     for seed in 0 1; do
         for run in "128 0.05" "512 0.2"; do
             set -- $run
-            python3 -m obow pretrain --config cifar10_resnet18 --data "$C10/train" --val "$C10/test" \
-                --out "/tmp/batchlr/b$1-s$seed" data.pipeline=device data.batch_size=$(($1 / BDIV)) optim.lr=$2 \
-                data.cache_dir=$CACHE train.device=$DEVICE train.seed=$seed optim.epochs=$BEPOCHS \
-                train.knn_every=$BEPOCHS train.knn_k=200 train.progress_bar=false train.tensorboard=false $BQUAL \
-                > "/tmp/batchlr-b$1-s$seed.log" 2>&1 &
+            # shellcheck disable=SC2086
+            c10run "b$1-s$seed" $BEPOCHS data.pipeline=device data.batch_size=$(($1 / BDIV)) optim.lr=$2 train.seed=$seed $BQUAL
         done
     done
     wait
-    for f in /tmp/batchlr/*/log.jsonl; do
-        python3 -c "import json,sys; [print(json.dumps({'run': sys.argv[2], **json.loads(l)})) for l in open(sys.argv[1]) if 'epoch_time_s' in l]" \
-            "$f" "$(basename "$(dirname "$f")")" >> "$OUT/batchlr.jsonl"
-    done
+    epoch_records b128-s0 b512-s0 b128-s1 b512-s1 > "$OUT/batchlr.jsonl"
 }
-part batchlr 300 bash -c "$(declare -f batchlr); batchlr"
+part batchlr 300 bash -c "$(declare -f $RUNS batchlr); batchlr"
 grep -h -A8 "^$\|on .*alternating" "$OUT/all.log" | grep "^|\|alternating\|device / workers" > "$OUT/throughput.md"
 echo "total $(($(date +%s) - T0))s" | tee -a "$OUT/summary.txt"

@@ -44,6 +44,7 @@ def test_the_cache_holds_the_decoded_pixels_and_is_read_back_without_decoding(tm
         raise AssertionError("decoded again")
 
     monkeypatch.setattr(cache_module, "_decode", no_decoding)
+    monkeypatch.setattr(cache_module, "sizes_summary", no_decoding)  # nor the headers read again
     again = build_cache(images, views_side=24, cache_dir=tmp_path / "cache")
     np.testing.assert_array_equal(again.pixels, cache.pixels)
 

@@ -330,6 +330,7 @@ class BatchedViews:
         self.mocov2 = mocov2
         self.moco_crop_scale = tuple(moco_crop_scale)
         self._teacher_box = teacher_box(side, cfg.teacher_resize, cfg.teacher_size)
+        self._mean_std: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}  # per device, made once
 
     def draw(self, batch: int, generator: torch.Generator) -> ViewParams:
         """The random parameters of ``batch`` images' views, in a fixed order of draws from ``generator``."""
@@ -377,6 +378,10 @@ class BatchedViews:
         return self._normalize(crops).view(batch, m, 3, size, size)
 
     def _normalize(self, x: Tensor) -> Tensor:
-        mean = torch.tensor(self.cfg.mean, dtype=x.dtype).view(1, 3, 1, 1).to(x.device, non_blocking=True)
-        std = torch.tensor(self.cfg.std, dtype=x.dtype).view(1, 3, 1, 1).to(x.device, non_blocking=True)
+        where = (x.device, x.dtype)
+        if where not in self._mean_std:
+            self._mean_std[where] = tuple(
+                torch.tensor(v, dtype=x.dtype).view(1, 3, 1, 1).to(x.device) for v in (self.cfg.mean, self.cfg.std)
+            )
+        mean, std = self._mean_std[where]
         return (x - mean) / std

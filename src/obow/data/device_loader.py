@@ -52,7 +52,7 @@ class DeviceLoader:
         return "in memory" if self.cache.where == "memory" else "memory-mapped"
 
     def __len__(self) -> int:
-        return sum(1 for _ in range(self.sampler.start_batch, self.sampler.batches_per_epoch))
+        return max(0, self.sampler.batches_per_epoch - self.sampler.start_batch)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         sampler = self.sampler

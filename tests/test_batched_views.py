@@ -16,6 +16,7 @@ from torchvision import transforms as T
 from obow.config import load_config
 from obow.data.batched_views import (
     BatchedViews,
+    color_jitter,
     draw_patch_cells,
     gaussian_blur,
     random_resized_boxes,
@@ -214,6 +215,56 @@ def test_gaussian_blur_against_a_float64_reference():
         np.testing.assert_allclose(out[i].numpy(), ref, rtol=0, atol=1e-12)
     flat = torch.full((1, 3, 8, 8), 0.25, dtype=torch.float64)  # a flat image stays flat
     torch.testing.assert_close(gaussian_blur(flat, torch.tensor([1.0]), 2.0), flat)
+
+
+def reference_jitter(view: torch.Tensor, factors, order) -> torch.Tensor:
+    """One view's colour jitter in float64: brightness, contrast and saturation written out as PIL's ImageEnhance
+    blends (ITU-R 601-2 luma, as PIL's ``convert("L")``; torchvision's tensor grayscale weighs red 0.2989), and
+    torchvision's hue rotation."""
+    from torchvision.transforms.v2 import functional as TF
+
+    x = view.double()
+    for k in order:
+        f = float(factors[k])
+        luma = (0.299 * x[0] + 0.587 * x[1] + 0.114 * x[2]).expand_as(x)
+        if k == 0:
+            x = (f * x).clamp(0, 1)
+        elif k == 1:
+            x = (f * x + (1 - f) * luma.mean()).clamp(0, 1)
+        elif k == 2:
+            x = (f * x + (1 - f) * luma).clamp(0, 1)
+        else:
+            x = TF.adjust_hue(x, f)
+    return x
+
+
+def test_colour_jitter_is_each_views_operations_in_its_own_order():
+    """Each view's brightness, contrast, saturation and hue with its own factors in its own order, against a
+    float64 reference applied one view at a time; views without jitter unchanged, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    n = 64
+    x = torch.rand(n, 3, 9, 7, generator=g)
+    x[:4] = x[:4, :1]  # grey views (no hue)
+    x[4] = 0.5  # a flat one
+    x[5, :, :3] = 1.0  # saturated by brightness
+    factors = torch.stack([torch.empty(n).uniform_(0.2, 1.8, generator=g) for _ in range(3)]
+                          + [torch.empty(n).uniform_(-0.5, 0.5, generator=g)], dim=1)  # fmt: skip
+    order = torch.argsort(torch.rand(n, 4, generator=g), dim=1)
+    apply = torch.rand(n, generator=g) < 0.8
+    before = x.clone()
+    out = color_jitter(x, factors, order, apply)
+    assert torch.equal(x, before)  # the input is left alone
+    color_jitter(x, factors, torch.full_like(order, 3), apply)  # a first round of hue alone
+    assert torch.equal(x, before)
+    assert apply.sum() > 40 and (~apply).sum() > 5
+    for i in range(n):
+        if apply[i]:
+            ref = reference_jitter(x[i], factors[i], order[i].tolist())
+            torch.testing.assert_close(out[i].double(), ref, rtol=0, atol=3e-6)
+        else:
+            assert torch.equal(out[i], x[i])
+    wrong = color_jitter(x, factors, order.flip(1), apply)  # the test sees the order
+    assert (wrong - out).abs().max() > 1e-2
 
 
 def per_view_stats(crops: torch.Tensor, cfg) -> dict[str, np.ndarray]:

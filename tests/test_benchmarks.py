@@ -235,3 +235,22 @@ def test_gpu_throughput_pass_skips_what_it_is_told_and_keeps_its_deadline(tmp_pa
     subprocess.run(["bash", str(BENCHMARKS / "gpu_throughput.sh")], env=env, check=True, capture_output=True)
     lines = (tmp_path / "late" / "summary.txt").read_text().splitlines()
     assert lines[:-1] == [f"{name} skipped (deadline)" for name in parts]
+
+
+def test_step_ops_counts_each_steps_operations_by_call_site(throughput, tmp_path, tiny_recipe, write_images):
+    """benchmarks/step_ops.py on the CPU: an unlogged step issues the targets' diagnostics no longer (they appear
+    on the logged step only), the fused optimiser is a handful of operations, and the views' device side (rendered
+    from images on the ``meta`` device) is told apart from their host side."""
+    step_ops = load_script("step_ops")
+    data = write_images(tmp_path / "data", per_class=8, size=20)
+    result = step_ops.main(["--config", str(tiny_recipe), "--data", str(data), "--batch", "4",
+                            "--cache-dir", str(tmp_path / "cache"), "--json", str(tmp_path / "ops.json")])  # fmt: skip
+    unlogged, logged, views = result["step (unlogged)"], result["step (logged)"], result["views (device side)"]
+    assert 0 < unlogged["total"] < logged["total"]
+    assert "bow.targets:kl_to_mean_bow" in logged["sites"] and "bow.targets:kl_to_mean_bow" not in unlogged["sites"]
+    assert "diagnostics:effective_rank" in logged["sites"] and "diagnostics:effective_rank" not in unlogged["sites"]
+    assert 0 < unlogged["sites"]["optimizer"] <= 10  # one fused update, not a few per parameter
+    assert unlogged["sites"]["backward"] > 0 and any(s.startswith("backbones") for s in unlogged["sites"])
+    assert views["total"] > 0 and views["host"] > 0
+    assert all(site.startswith("data.batched_views") for site in views["sites"])
+    assert json.loads((tmp_path / "ops.json").read_text())["step (unlogged)"]["total"] == unlogged["total"]

@@ -156,6 +156,37 @@ def test_learning_rate_schedule():
     assert learning_rate(1000, 100, **kw, cosine_per_epoch=False) == pytest.approx(3e-5)
 
 
+@pytest.mark.parametrize(("nesterov", "decay_all"), [(False, True), (True, False)])
+def test_the_runs_optimiser_is_sgd_against_a_float64_reference(nesterov, decay_all):
+    """``build_optimizer`` (fused SGD): momentum 0.9, weight decay on every parameter or on the weights only,
+    Nesterov or not, three steps at two learning rates, against the update rule written out in NumPy float64."""
+    from obow.config import load_config
+    from obow.training.build import build_optimizer
+
+    cfg = load_config("cifar10_fast", [f"optim.nesterov={str(nesterov).lower()}",
+                                       f"optim.decay_norm_and_bias={str(decay_all).lower()}"])  # fmt: skip
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+    optimizer = build_optimizer(model, cfg)
+    params = list(model.parameters())
+    ref = [np64(p.detach()) for p in params]
+    buf = [None] * len(params)
+    m, wd = cfg.optim.momentum, cfg.optim.weight_decay
+    for step, lr in enumerate((0.1, 0.05, 0.05)):
+        grads = [torch.randn_like(p) for p in params]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+            d = np64(g) + (wd if decay_all or p.ndim > 1 else 0.0) * ref[i]
+            buf[i] = d if step == 0 else m * buf[i] + d
+            ref[i] = ref[i] - lr * (d + m * buf[i] if nesterov else buf[i])
+    for p, r in zip(params, ref, strict=True):
+        np.testing.assert_allclose(p.detach().numpy(), r, rtol=1e-5, atol=1e-6)
+
+
 def test_state_dict_round_trip_is_exact(tmp_path):
     torch.manual_seed(1)
     model = tiny_model(levels=("conv4", "conv5")).train()
@@ -227,6 +258,39 @@ def test_diagnostics_are_returned():
         assert 1 <= float(out.metrics[f"{level}/perplexity_image"]) <= 16
         assert -1 <= float(out.metrics[f"{level}/weights_mean_cosine"]) <= 1
     assert {"loss", "teacher_momentum", "loss/group1/conv4"} <= set(out.metrics)
+
+
+@pytest.mark.parametrize("vocabulary", ["queue", "kmeans"])
+def test_an_undiagnosed_step_leaves_out_the_diagnostics_and_changes_nothing_else(vocabulary):
+    """``diagnose=False`` (the loop's unlogged steps) drops the targets', weights' and student's diagnostics
+    and nothing else: the same loss, targets, gradients and state as a diagnosed step, bit for bit."""
+    torch.manual_seed(0)
+    teacher, crops = tiny_batch()
+    a = tiny_model(vocabulary=vocabulary).train()
+    b = copy.deepcopy(a)
+    b.diagnose = False
+    runs = []
+    for model in (a, b):
+        torch.manual_seed(1)  # the queue's random locations
+        out = model(teacher, crops)
+        out.loss.backward()
+        runs.append(out)
+    full, lean = runs
+    dropped = set(full.metrics) - set(lean.metrics)
+    assert not set(lean.metrics) - set(full.metrics)
+    for level in ("conv4", "conv5"):
+        for key in ("words_used", "perplexity_batch", "perplexity_image", "kl_to_mean_bow", "zero_target_share",
+                    "weights_mean_cosine", "predicted_kl_to_mean"):  # fmt: skip
+            assert f"{level}/{key}" in dropped
+        for key in ("temperature_stat", "delta", "batch_msd"):
+            assert torch.equal(full.metrics[f"{level}/{key}"], lean.metrics[f"{level}/{key}"])
+        assert torch.equal(full.targets[level], lean.targets[level])
+    assert "student/effective_rank" in dropped
+    assert torch.equal(full.loss, lean.loss)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert pa.grad is None and pb.grad is None or torch.equal(pa.grad, pb.grad), name
+    for (name, xa), xb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(xa, xb), name
 
 
 def test_kmeans_and_sinkhorn_variants_run():

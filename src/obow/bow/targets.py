@@ -139,6 +139,22 @@ def kl_to_mean_bow(targets: Tensor) -> Tensor:
     return entropy(targets.mean(dim=0)) - entropy(targets).mean()
 
 
+def target_diagnostics(targets: Tensor, nearest: Tensor, num_words: int, gather: bool = False) -> dict[str, Tensor]:
+    """How informative one step's ``[B, K]`` targets are: the perplexities of :func:`bow_perplexity`,
+    :func:`kl_to_mean_bow`, the share of zero entries, and ``words_used``: the share of the ``num_words`` words that
+    are the nearest word of at least one location (``nearest``: word indices), over all processes when ``gather``."""
+    used = torch.zeros(num_words, device=targets.device)
+    used[nearest.flatten()] = 1.0
+    batch_perplexity, image_perplexity = bow_perplexity(targets)
+    return {
+        "words_used": (D.all_reduce_max(used) if gather else used).mean(),
+        "perplexity_batch": batch_perplexity,
+        "perplexity_image": image_perplexity,
+        "kl_to_mean_bow": kl_to_mean_bow(targets),
+        "zero_target_share": (targets == 0).float().mean(),
+    }
+
+
 @dataclass
 class BoWTargets:
     """What the teacher side of one level produces in one step."""
@@ -225,11 +241,14 @@ class BoWExtractor(nn.Module):
         return self.vocabulary.num_words
 
     @torch.no_grad()
-    def forward(self, feature_map: Tensor, update: bool | None = None) -> BoWTargets:
+    def forward(self, feature_map: Tensor, update: bool | None = None, diagnose: bool = True) -> BoWTargets:
         """Targets ``[B, K]`` for the teacher map ``[B, C, H, W]``; updates the state when ``update``.
 
         ``update`` defaults to ``self.training``. All of it runs in float32 (float64 for float64 maps),
-        whatever autocast says.
+        whatever autocast says. ``diagnose=False`` leaves out the targets' diagnostics (perplexities,
+        ``kl_to_mean_bow``, ``words_used``, ``zero_target_share``): the training loop computes them on the steps
+        it logs only, as each is a few more kernels per step. The temperature's (``temperature_stat``, ``delta``,
+        ``batch_msd``) and the vocabulary's are always there.
         """
         update = self.training if update is None else update
         with torch.autocast(feature_map.device.type, enabled=False):
@@ -254,19 +273,9 @@ class BoWExtractor(nn.Module):
                 codes = sinkhorn_assignment(distances, self.sinkhorn_epsilon * mu, self.sinkhorn_iterations)
             targets = l1_normalize(pool_codes(codes, self.pooling))
 
-            used = torch.zeros(self.num_words, device=words.device)
-            used[nearest.flatten()] = 1.0
-            batch_perplexity, image_perplexity = bow_perplexity(targets)
-            diagnostics = {
-                "temperature_stat": mu.clone(),
-                "delta": scale.clone(),
-                "batch_msd": batch_msd,
-                "words_used": (D.all_reduce_max(used) if update else used).mean(),
-                "perplexity_batch": batch_perplexity,
-                "perplexity_image": image_perplexity,
-                "kl_to_mean_bow": kl_to_mean_bow(targets),
-                "zero_target_share": (targets == 0).float().mean(),
-            }
+            diagnostics = {"temperature_stat": mu.clone(), "delta": scale.clone(), "batch_msd": batch_msd}
+            if diagnose:
+                diagnostics.update(target_diagnostics(targets, nearest, self.num_words, gather=update))
             if self.record_intermediates:
                 self.intermediates = {"codes": codes, "distances": distances, "nearest": nearest}
             if update:

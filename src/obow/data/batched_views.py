@@ -37,7 +37,8 @@ from obow.data.transforms import GRID_SIDE
 #: torchvision's RandomResizedCrop: aspect ratios in [3/4, 4/3], ten tries before the central fallback.
 CROP_RATIO = (3 / 4, 4 / 3)
 CROP_TRIES = 10
-#: ITU-R 601-2 luma, as PIL's convert("L") and torchvision's rgb_to_grayscale.
+#: ITU-R 601-2 luma, as PIL's convert("L") (the worker pipeline jitters PIL images); torchvision's tensor
+#: rgb_to_grayscale weighs red 0.2989.
 LUMA = (0.299, 0.587, 0.114)
 
 
@@ -167,65 +168,71 @@ def resized_crops(images: Tensor, boxes: Tensor, size: int) -> Tensor:
     return out.view(batch, m, *out.shape[1:])
 
 
-def _blend(a: Tensor, b: Tensor, factor: Tensor) -> Tensor:
-    """``factor * a + (1 - factor) * b`` clamped to [0, 1], ``factor`` per view (torchvision's _blend)."""
-    return (factor.view(-1, 1, 1, 1) * a + (1 - factor.view(-1, 1, 1, 1)) * b).clamp_(0, 1)
-
-
 def grayscale(x: Tensor) -> Tensor:
     """Luma ``[n, 1, h, w]`` of RGB ``[n, 3, h, w]`` in [0, 1]."""
     r, g, b = x.unbind(1)
     return (LUMA[0] * r + LUMA[1] * g + LUMA[2] * b).unsqueeze(1)
 
 
-def adjust_brightness(x: Tensor, factor: Tensor) -> Tensor:
-    return _blend(x, torch.zeros_like(x), factor)
+def blend(x: Tensor, weights: Tensor) -> Tensor:
+    """Brightness, contrast or saturation, each view its own: ``f * x + (1 - f) * target`` clamped to [0, 1]
+    (PIL's ImageEnhance, torchvision's _blend), with the target black, the view's mean luma or its luma.
 
-
-def adjust_contrast(x: Tensor, factor: Tensor) -> Tensor:
-    """Blend with the mean luma of each view (torchvision's and PIL's contrast)."""
-    return _blend(x, grayscale(x).mean(dim=(1, 2, 3), keepdim=True).expand_as(x), factor)
-
-
-def adjust_saturation(x: Tensor, factor: Tensor) -> Tensor:
-    return _blend(x, grayscale(x).expand_as(x), factor)
+    ``weights`` ``[n, 4]`` per view: ``f``, ``1 - f``, and the weights of the luma and of its mean in the target:
+    (0, 0) for brightness, (0, 1) for contrast, (1, 0) for saturation; ``f = 1`` leaves a view as it is, exactly.
+    All views in one pass, whichever operation each does, so a round of colour jitter is a few kernels, not a few
+    per operation."""
+    w = weights.to(x.device, x.dtype, non_blocking=True).view(-1, 4, 1, 1, 1).unbind(1)
+    f, rest, on_luma, on_mean = w
+    luma = grayscale(x)
+    target = on_luma * luma + on_mean * luma.mean(dim=(1, 2, 3), keepdim=True)
+    return (f * x + rest * target).clamp_(0, 1)
 
 
 def adjust_hue(x: Tensor, shift: Tensor) -> Tensor:
-    """Rotate the hue of each view by ``shift`` (a fraction of a turn, per view) in HSV space."""
-    r, g, b = x.unbind(1)
-    maxc, _ = x.max(dim=1)
-    minc, _ = x.min(dim=1)
-    delta = maxc - minc
-    safe = torch.where(delta > 0, delta, torch.ones_like(delta))
-    rc, gc, bc = (maxc - r) / safe, (maxc - g) / safe, (maxc - b) / safe
-    hue = torch.where(maxc == r, bc - gc, torch.where(maxc == g, 2.0 + rc - bc, 4.0 + gc - rc))
-    hue = torch.where(delta > 0, (hue / 6.0) % 1.0, torch.zeros_like(hue))
-    hue = (hue + shift.view(-1, 1, 1)) % 1.0
-    sat = torch.where(maxc > 0, delta / torch.where(maxc > 0, maxc, torch.ones_like(maxc)), torch.zeros_like(maxc))
-    # HSV -> RGB: each channel is v - v * s * clamp(min(k, 4 - k), 0, 1) with k = (n + 6h) mod 6, n = 5, 3, 1
-    k = (torch.tensor([5.0, 3.0, 1.0], device=x.device, dtype=x.dtype).view(1, 3, 1, 1) + 6.0 * hue.unsqueeze(1)) % 6
-    weight = torch.minimum(k, 4.0 - k).clamp(0, 1)
-    v = maxc.unsqueeze(1)
-    return v - v * sat.unsqueeze(1) * weight
+    """Rotate the hue of each view by ``shift`` (a fraction of a turn, per view) in HSV space.
+
+    In sixths of a turn, the hue of a pixel whose largest channel is ``i`` (red 0, green 1, blue 2) is
+    ``2 i + (next - previous) / (max - min)`` with ``next`` / ``previous`` the channels after and before ``i``
+    (cyclically); the rotated pixel is ``v - (max - min) * clamp(min(k, 4 - k), 0, 1)`` per channel with
+    ``k = (n + hue) mod 6``, ``n = 5, 3, 1`` for red, green, blue, and ``v = max``. A grey pixel (``max = min``)
+    stays as it is. Written for few kernels (about 20), as the device pipeline runs it on every jittered view.
+    """
+    maxc, largest = x.max(dim=1, keepdim=True)
+    delta = maxc - x.amin(dim=1, keepdim=True)
+    following = x.roll(-1, dims=1).gather(1, largest)
+    preceding = x.roll(1, dims=1).gather(1, largest)
+    hue = torch.add((following - preceding) / delta.clamp_min(torch.finfo(x.dtype).tiny), largest, alpha=2)
+    hue = hue + 6.0 * shift.to(x.dtype).view(-1, 1, 1, 1)
+    k = (hue + torch.tensor([5.0, 3.0, 1.0], device=x.device, dtype=x.dtype).view(1, 3, 1, 1)) % 6
+    return maxc - delta * torch.minimum(k, 4.0 - k).clamp_(0, 1)
 
 
-_JITTER_OPS = (adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue)
+#: The order of the colour jitter's operations in ``PhotometricParams.order`` (torchvision's ColorJitter).
+BRIGHTNESS, CONTRAST, SATURATION, HUE = range(4)
 
 
 def color_jitter(x: Tensor, factors: Tensor, order: Tensor, apply: Tensor) -> Tensor:
     """torchvision's ColorJitter with each view's own factors and order, on the views where ``apply``: four
-    rounds, in round ``r`` every view applies its operation ``order[:, r]``. ``factors``, ``order`` and ``apply`` are
-    CPU tensors, so the views of each (round, operation) are picked on the CPU, without a device synchronisation,
-    and each operation runs once per view (the hue rotation is the costly one)."""
-    x = x.clone()
+    rounds, in round ``r`` every view applies its operation ``order[:, r]``: the views that brighten, change the
+    contrast or the saturation in one :func:`blend` over all views, then those that rotate the hue (the costly
+    one, once per view) picked out. ``factors``, ``order`` and ``apply`` are CPU tensors, so each round's
+    selection is made on the CPU, without a device synchronisation."""
+    views = torch.arange(len(order))
+    owned = False  # x is still the caller's tensor, which the hue's in-place write must not touch
     for r in range(4):
-        for k, fn in enumerate(_JITTER_OPS):
-            rows = torch.nonzero(apply & (order[:, r] == k)).flatten()
-            if len(rows):
-                on_device = rows.to(x.device, non_blocking=True)
-                shift = factors[rows, k].to(x.device, non_blocking=True)
-                x.index_copy_(0, on_device, fn(x.index_select(0, on_device), shift))
+        op = torch.where(apply, order[:, r], -1)
+        blends = (op >= 0) & (op != HUE)
+        if bool(blends.any()):
+            f = torch.where(blends, factors[views, op.clamp(0, 2)], 1.0)
+            weights = torch.stack([f, 1 - f, (op == SATURATION).float(), (op == CONTRAST).float()], dim=1)
+            x, owned = blend(x, weights), True
+        rows = torch.nonzero(op == HUE).flatten()
+        if len(rows):
+            x, owned = (x if owned else x.clone()), True
+            on_device = rows.to(x.device, non_blocking=True)
+            shift = factors[rows, HUE].to(x.device, non_blocking=True)
+            x.index_copy_(0, on_device, adjust_hue(x.index_select(0, on_device), shift))
     return x
 
 

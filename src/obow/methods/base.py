@@ -105,8 +105,9 @@ class Method(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._pending: dict | None = None  # the shared side of a step computed group by group
-        #: Compute the step's collapse and prediction diagnostics (:mod:`obow.diagnostics`). The training loop
-        #: sets it on the steps it logs only: the effective rank's float64 SVD took 59 of a 101 ms GPU step.
+        #: Compute the step's diagnostics: collapse and prediction (:mod:`obow.diagnostics`), and OBoW's targets'
+        #: and prediction weights'. The training loop sets it on the steps it logs only: the effective rank's
+        #: float64 SVD took 59 of a 101 ms GPU step, and each of the others is a few more kernel launches.
         self.diagnose = True
 
     def prepare(self, images: ImageList, cfg: Config, device: torch.device) -> Any:

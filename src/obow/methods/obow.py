@@ -119,7 +119,7 @@ class OBoW(Method):
     def teacher_targets(self, images: Tensor, update: bool | None = None) -> dict[str, BoWTargets]:
         """BoW targets of every level for the teacher's views ``[B, 3, H, W]``."""
         maps = self.teacher(images, levels=self.levels).maps
-        return {level: self.extractors[level](maps[level], update=update) for level in self.levels}
+        return {level: self.extractors[level](maps[level], update, self.diagnose) for level in self.levels}
 
     def forward(
         self,
@@ -177,7 +177,8 @@ class OBoW(Method):
         for level, w, kappa in zip(self.levels, weights, self.predictor.kappas(), strict=True):
             # Near 1, the weights share one direction and the logits kappa <w_k, S> differ little between words
             # however the student's feature varies: a common part adds the same logit to every word.
-            metrics[f"{level}/weights_mean_cosine"] = mean_pairwise_cosine(w.detach())
+            if self.diagnose:
+                metrics[f"{level}/weights_mean_cosine"] = mean_pairwise_cosine(w.detach())
             if isinstance(kappa, Tensor):  # model.learn_kappa
                 metrics[f"{level}/kappa"] = kappa.detach().clone()
         return {

@@ -113,7 +113,11 @@ def build_model(cfg: Config, total_iterations: int, device: torch.device, resumi
 
 def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     """SGD over the student and the head. The official code decays every parameter (BN and biases too);
-    ``optim.decay_norm_and_bias: false`` exempts one-dimensional parameters instead."""
+    ``optim.decay_norm_and_bias: false`` exempts one-dimensional parameters instead.
+
+    PyTorch's fused SGD: one kernel for all parameters where the default issues one small kernel per parameter
+    and operation on a CPU (about 280 for a ResNet-18, ``benchmarks/step_ops.py``) or a few per chunk on a GPU;
+    on 2 CPU cores it took 5 ms a step against 10 ms, with the same values bit for bit."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optim.decay_norm_and_bias:
         groups = [{"params": params, "weight_decay": cfg.optim.weight_decay}]
@@ -122,7 +126,9 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
             {"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.optim.weight_decay},
             {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
         ]
-    return torch.optim.SGD(groups, lr=cfg.optim.lr, momentum=cfg.optim.momentum, nesterov=cfg.optim.nesterov)
+    return torch.optim.SGD(
+        groups, lr=cfg.optim.lr, momentum=cfg.optim.momentum, nesterov=cfg.optim.nesterov, fused=True
+    )
 
 
 def prepare_step_model(model: Method, cfg: Config, device: torch.device) -> nn.Module:

@@ -12,6 +12,7 @@ import signal
 import numpy as np
 import pytest
 import torch
+from conftest import read_run_log
 from PIL import Image
 
 from obow.config import load_config
@@ -20,6 +21,7 @@ from obow.data.batched_views import BatchedViews
 from obow.data.cache import build_cache
 from obow.data.device_loader import DeviceLoader
 from obow.data.folders import EpochSampler, scan_images
+from obow.training.state import RunError
 
 
 def write_squares(folder, n: int, side: int = 12, seed: int = 0) -> list[np.ndarray]:
@@ -180,7 +182,7 @@ def test_a_device_pipeline_run_trains_checkpoints_and_resumes_to_the_uninterrupt
 
 
 def test_the_device_and_worker_pipelines_train_the_same_recipe(tmp_path, tiny_recipe, write_images, read_log):
-    """Not equal weights (other random draws), but both learn: the loss falls over the run in each."""
+    """Not equal weights (other random draws), but both run the recipe to its end with finite losses."""
     from obow.training.loop import pretrain
 
     data = write_images(tmp_path / "data", per_class=6, size=20)
@@ -192,6 +194,66 @@ def test_the_device_and_worker_pipelines_train_the_same_recipe(tmp_path, tiny_re
         losses[pipeline] = [r["loss"] for r in read_log(tmp_path / pipeline) if r.get("type") == "epoch"]
     for pipeline, curve in losses.items():
         assert len(curve) == 3 and all(np.isfinite(curve)), pipeline
+
+
+def test_an_auto_pipeline_is_recorded_and_a_resume_keeps_it_on_another_device(
+    tmp_path, tiny_recipe, write_images, monkeypatch, caplog
+):
+    """``data.pipeline: auto`` is settled when a run starts, as ``train.precision: auto``: a run started where auto
+    meant ``device`` (a GPU) and resumed where it means ``workers`` (a CPU) keeps making its views on the device;
+    a new run there takes that machine's choice; a run from before the choice was recorded (``auto`` in its
+    ``config.yaml`` and checkpoint) resumes with ``auto`` and the rule it had."""
+    from obow.training import build
+    from obow.training.loop import pretrain
+
+    data = write_images(tmp_path / "data", per_class=4, size=20)
+    out = tmp_path / "run"
+
+    def cfg(epochs: int):
+        overrides = [f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", *DEVICE_RUN]
+        return load_config(tiny_recipe, [*overrides, "data.pipeline=auto", f"optim.epochs={epochs}"])
+
+    rule = build.resolve_pipeline
+    monkeypatch.setattr(build, "resolve_pipeline", lambda p, d: "device" if p == "auto" else p)  # a GPU's rule
+    with caplog.at_level(logging.INFO, logger="obow"):
+        pretrain(cfg(1), out)
+    assert "data.pipeline=auto -> device (a CPU run's default)" in caplog.text
+    assert load_config(str(out / "config.yaml")).data.pipeline == "device"
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["config"]["data"]["pipeline"] == "device"
+
+    monkeypatch.setattr(build, "resolve_pipeline", rule)  # resumed (extended) where auto means workers
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="obow"):
+        pretrain(cfg(2), out)
+    assert "data.pipeline=auto -> device (as the run started)" in caplog.text
+    assert "Data: views made on the cpu" in caplog.text
+    assert [r["epoch"] for r in read_run_log(out) if r.get("type") == "epoch"] == [1, 2]  # resumed, not restarted
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="obow"):
+        pretrain(cfg(1), tmp_path / "fresh")  # a new run here chooses for itself
+    assert "data.pipeline=auto -> workers (a CPU run's default)" in caplog.text
+    assert load_config(str(tmp_path / "fresh" / "config.yaml")).data.pipeline == "workers"
+
+    old = tmp_path / "old"  # written before the choice was recorded: auto in its config.yaml and checkpoint
+    pretrain(
+        load_config(tiny_recipe, [f"data.path={data}", *DEVICE_RUN, "data.pipeline=workers", "optim.epochs=1"]), old
+    )
+    ckpt = torch.load(old / "checkpoint.pt", weights_only=False)
+    ckpt["config"]["data"]["pipeline"] = "auto"
+    torch.save(ckpt, old / "checkpoint.pt")
+    (old / "config.yaml").write_text((old / "config.yaml").read_text().replace("pipeline: workers", "pipeline: auto"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="obow"):
+        pretrain(cfg(2), old)
+    assert "data.pipeline=auto ->" not in caplog.text and "loader worker" in caplog.text
+    assert [r["epoch"] for r in read_run_log(old) if r.get("type") == "epoch"] == [1, 2]
+    # asked for the pipeline its auto makes here (as a table pins it), it is the same run; asked for the other, not
+    pinned = [f"data.path={data}", *DEVICE_RUN, "data.pipeline=workers", "optim.epochs=3"]
+    pretrain(load_config(tiny_recipe, pinned), old)
+    assert [r["epoch"] for r in read_run_log(old) if r.get("type") == "epoch"] == [1, 2, 3]
+    with pytest.raises(RunError, match="data.pipeline: 'auto' -> 'device'"):
+        pretrain(load_config(tiny_recipe, [*pinned[:-2], "data.pipeline=device", "optim.epochs=4"]), old)
 
 
 def test_an_unreadable_folder_on_the_device_pipeline_is_one_line_from_the_command(tmp_path, tiny_recipe, obow_cli):

@@ -24,7 +24,7 @@ from obow.experiments.tables import (
     select_rows,
     training_minutes,
 )
-from obow.experiments.tables.plan import table_precision
+from obow.experiments.tables.plan import table_pipeline, table_precision
 from obow.experiments.tables.records import _shared_text, machine_description
 from obow.training import precision as prec
 
@@ -465,7 +465,10 @@ def test_a_table_keeps_the_precision_it_was_planned_at_on_any_machine(tmp_path, 
     assert table_precision(new, "auto", "cpu", [other, None]) == "bf16"  # continued or shared from a bf16 plan
     with pytest.raises(ValueError, match="planned at train.precision=fp32, this call asks for bf16"):
         table_precision(legacy, "bf16", "cpu", [None])
-    with pytest.raises(ValueError, match="different precisions.*legacy/plan.json: fp32.*other/plan.json: bf16"):
+    with pytest.raises(
+        ValueError,
+        match="different train.precision values.*legacy/plan.json: fp32.*other/plan.json: bf16",
+    ):
         table_precision(legacy, "auto", "cpu", [other])
 
     # a real (tiny) table, its recipe asking for auto: the plan records the choice, every run trains at it, and
@@ -485,6 +488,32 @@ def test_a_table_keeps_the_precision_it_was_planned_at_on_any_machine(tmp_path, 
     assert json.loads((old / "plan.json").read_text())["precision"] == "fp32"
     assert load_config(old / "hard_fixed" / "seed0" / "config.yaml").train.precision == "fp32"
     assert "Every run trained with" not in (old / "table.md").read_text()  # as every table before the key
+
+
+def test_a_table_keeps_the_data_pipeline_it_was_planned_with_on_any_machine(tmp_path, write_images, obow_cli):
+    """As the precision: a table begun in loader workers (a CPU's auto, and every plan before the key) goes on in
+    loader workers on a machine where auto means the device pipeline (a GPU), and says so in its plan."""
+    new, legacy, other = tmp_path / "new", tmp_path / "legacy", tmp_path / "other"
+    assert table_pipeline(new, "auto", "cpu", [None]) == "workers"  # a new table: the machine's choice
+    assert table_pipeline(new, "auto", "cuda", [None]) == "device"
+    assert table_pipeline(new, "device", "cpu", [None]) == "device"  # or what the call asks for
+    for folder, plan in ((legacy, {"stages": {}}), (other, {"pipeline": "device", "stages": {}})):
+        folder.mkdir()
+        (folder / "plan.json").write_text(json.dumps(plan))
+    assert table_pipeline(legacy, "auto", "cuda", [None]) == "workers"  # plans written before the key
+    assert table_pipeline(new, "auto", "cpu", [other, None]) == "device"  # continued or shared from a device plan
+    with pytest.raises(ValueError, match="planned at data.pipeline=workers, this call asks for device"):
+        table_pipeline(legacy, "device", "cuda", [None])
+    with pytest.raises(ValueError, match="different data.pipeline values.*legacy/plan.json: workers.*other/plan"):
+        table_pipeline(legacy, "auto", "cpu", [other])
+
+    recipe, data, out = _tiny_table(tmp_path, write_images)
+    args = ["tables", "run", "table3", "--data", data, "--budget", "1", "--recipe", recipe, "--rows", "4"]
+    args += ["--k", "5", "--episodes", "5", "data.pipeline=device", f"data.cache_dir={tmp_path / 'cache'}"]
+    obow_cli(*args, "--out", out)
+    assert json.loads((out / "table3" / "plan.json").read_text())["pipeline"] == "device"
+    assert load_config(out / "table3" / "hard_fixed" / "seed0" / "config.yaml").data.pipeline == "device"
+    assert "Every run made its views with `data.pipeline=device`" in (out / "table3" / "table.md").read_text()
 
 
 def test_crossing_budget_reads_the_gap_as_a_line_in_log_minutes():

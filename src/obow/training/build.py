@@ -5,8 +5,10 @@ step calls (:func:`prepare_step_model`). :mod:`obow.training.loop` and the bench
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,13 +17,14 @@ from torch import nn
 
 from obow import distributed as D
 from obow.config import Config
+from obow.data import PIPELINES
 from obow.data.cache import build_cache
 from obow.data.device_loader import DeviceLoader
 from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loader, scan_images
 from obow.methods import build_batched_views, build_method, build_views, views_side
 from obow.methods.base import Method
 from obow.training.logger import log_main
-from obow.training.precision import check_precision
+from obow.training.precision import check_precision, started_setting
 from obow.training.state import RunError
 
 __all__ = [
@@ -30,6 +33,8 @@ __all__ = [
     "build_optimizer",
     "data_pipeline",
     "prepare_step_model",
+    "resolve_pipeline",
+    "settle_pipeline",
     "setup_process",
 ]
 
@@ -88,11 +93,49 @@ def build_data(
     return images, sampler, loader
 
 
-def data_pipeline(cfg: Config, device: torch.device) -> str:
-    """``data.pipeline`` for ``device``: ``auto`` makes the views on a GPU and in loader workers on a CPU."""
-    if cfg.data.pipeline != "auto":
-        return cfg.data.pipeline
+def resolve_pipeline(pipeline: str, device: torch.device) -> str:
+    """``data.pipeline`` as a new run on ``device`` makes its views: ``auto`` is ``device`` on a GPU and
+    ``workers`` on a CPU; the other values are themselves."""
+    if pipeline != "auto":
+        return pipeline
     return "device" if device.type == "cuda" else "workers"
+
+
+def data_pipeline(cfg: Config, device: torch.device) -> str:
+    """Who makes ``cfg``'s views on ``device``: ``data.pipeline``, or for ``auto`` (left in the ``config.yaml`` of a
+    run started before the choice was recorded, see :func:`settle_pipeline`) the rule runs then followed, which is
+    :func:`resolve_pipeline`'s."""
+    return resolve_pipeline(cfg.data.pipeline, device)
+
+
+def settle_pipeline(cfg: Config, out: Path, device: torch.device) -> Config:
+    """``cfg`` with ``data.pipeline: auto`` made concrete for the run in ``out``, as ``train.precision: auto`` is:
+    a run being resumed keeps the pipeline it started with (a run started on a GPU and resumed on a CPU makes
+    the same views, and a change of the default cannot switch a run half-way), a new run takes
+    :func:`resolve_pipeline`'s choice. ``config.yaml`` and the checkpoint then hold it. A run whose
+    ``config.yaml`` says ``auto`` or nothing (started before the choice was recorded, or before the setting
+    existed, whose default ``auto`` it then had) keeps ``auto``, and its rule; asked for the pipeline that rule
+    gives on ``device`` (as a table pins its pipeline), it resumes as the same run."""
+    started = started_setting(out, "data", "pipeline")
+    unrecorded = started not in ("workers", "device") and (out / "checkpoint.pt").is_file()
+    if cfg.data.pipeline != "auto":
+        if unrecorded and cfg.data.pipeline == resolve_pipeline("auto", device):
+            return settled(cfg, "auto")  # what the run's recorded auto makes here: the same run (e.g. a table's)
+        return cfg
+    if started in PIPELINES:
+        pipeline, why = started, "as the run started"
+    elif unrecorded:  # started before the choice was recorded (or data.pipeline existed)
+        pipeline, why = "auto", ""
+    else:
+        pipeline = resolve_pipeline("auto", device)
+        why = f"{'a GPU' if device.type == 'cuda' else 'a CPU'} run's default"
+    if pipeline != "auto":
+        log_main("Data: data.pipeline=auto -> %s (%s)", pipeline, why)
+    return settled(cfg, pipeline)
+
+
+def settled(cfg: Config, pipeline: str) -> Config:
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pipeline=pipeline))
 
 
 def build_model(cfg: Config, total_iterations: int, device: torch.device, resuming: bool = False) -> Method:

@@ -43,6 +43,7 @@ from obow.training.build import (
     build_optimizer,
     data_pipeline,
     prepare_step_model,
+    settle_pipeline,
     setup_process,
 )
 from obow.training.lock import RunLock
@@ -167,51 +168,54 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
     if cfg.data.path is None:
         raise RunError("no training images: set data.path (obow pretrain --data DIR)")
     check_inputs(cfg)  # before the run folder is created
-    with (
-        RunLock(out, device=device),
-        chosen_threads(cfg, workers=data_pipeline(cfg, device) == "workers"),
-    ):  # one writer per run folder, from here to the end
-        cfg = settle_precision(cfg, out, device)
-        ckpt = open_run(cfg, out)
-        images, sampler, loader = build_data(cfg, device)
-        iters_per_epoch = len(images) // cfg.data.batch_size
-        total_iters = iters_per_epoch * cfg.optim.epochs
-        model = build_model(cfg, total_iters, device, resuming=ckpt is not None)
-        optimizer = build_optimizer(model, cfg)
-        scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
-        state = start_or_resume(ckpt, model, optimizer, scaler, images, cfg, device, out)
-        if state.epoch >= cfg.optim.epochs:
-            log_main("The run in %s is already complete (%d epochs); nothing to do", out, state.epoch)
-            return summary(out, state)
+    with RunLock(out, device=device):  # one writer per run folder, from here to the end
+        cfg = settle_pipeline(settle_precision(cfg, out, device), out, device)
+        with chosen_threads(cfg, workers=data_pipeline(cfg, device) == "workers"):
+            return train_in_lock(cfg, out, device, monitor)
 
-        step_model = prepare_step_model(model, cfg, device)
-        logger = RunLogger(out, cfg, enabled=D.is_main_process())
-        epoch_monitor = make_monitor(monitor, cfg, images, device)
-        model.train()
-        with handle_signals(announce=D.is_main_process()) as signals:
-            boundary = StepBoundary(signals, cfg.train.checkpoint_minutes, device)
-            parts = (model, step_model, optimizer, scaler, sampler, loader, iters_per_epoch, logger, boundary)
-            run = Run(cfg, out, device, *parts)
-            try:
-                train_epochs(run, state, epoch_monitor)
-            except Interrupted:
-                if state.epoch >= cfg.optim.epochs:
-                    log_main(
-                        "Interrupted as the run ended: it is complete (checkpoint written at iteration %d); the "
-                        "command stops here, and the same command goes on with what follows the training",
-                        state.iteration,
-                    )
-                else:
-                    log_main(
-                        "Interrupted: checkpoint written at iteration %d (epoch %d, batch %d); run the same command "
-                        "to resume",
-                        state.iteration,
-                        state.epoch + 1,
-                        state.batch_in_epoch,
-                    )
-                raise
-            finally:
-                logger.close()
+
+def train_in_lock(cfg: Config, out: Path, device: torch.device, monitor: MonitorFactory | None) -> dict[str, Any]:
+    """:func:`run_pretraining`'s work once the run folder is locked and ``cfg``'s ``auto`` settings settled."""
+    ckpt = open_run(cfg, out)
+    images, sampler, loader = build_data(cfg, device)
+    iters_per_epoch = len(images) // cfg.data.batch_size
+    total_iters = iters_per_epoch * cfg.optim.epochs
+    model = build_model(cfg, total_iters, device, resuming=ckpt is not None)
+    optimizer = build_optimizer(model, cfg)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
+    state = start_or_resume(ckpt, model, optimizer, scaler, images, cfg, device, out)
+    if state.epoch >= cfg.optim.epochs:
+        log_main("The run in %s is already complete (%d epochs); nothing to do", out, state.epoch)
+        return summary(out, state)
+
+    step_model = prepare_step_model(model, cfg, device)
+    logger = RunLogger(out, cfg, enabled=D.is_main_process())
+    epoch_monitor = make_monitor(monitor, cfg, images, device)
+    model.train()
+    with handle_signals(announce=D.is_main_process()) as signals:
+        boundary = StepBoundary(signals, cfg.train.checkpoint_minutes, device)
+        parts = (model, step_model, optimizer, scaler, sampler, loader, iters_per_epoch, logger, boundary)
+        run = Run(cfg, out, device, *parts)
+        try:
+            train_epochs(run, state, epoch_monitor)
+        except Interrupted:
+            if state.epoch >= cfg.optim.epochs:
+                log_main(
+                    "Interrupted as the run ended: it is complete (checkpoint written at iteration %d); the "
+                    "command stops here, and the same command goes on with what follows the training",
+                    state.iteration,
+                )
+            else:
+                log_main(
+                    "Interrupted: checkpoint written at iteration %d (epoch %d, batch %d); run the same command "
+                    "to resume",
+                    state.iteration,
+                    state.epoch + 1,
+                    state.batch_in_epoch,
+                )
+            raise
+        finally:
+            logger.close()
     return summary(out, state)
 
 

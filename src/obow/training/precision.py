@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -93,11 +94,24 @@ def settle_precision(cfg: Config, out: Path, device: torch.device) -> Config:
 def started_precision(out: Path) -> str | None:
     """The ``train.precision`` of the run in ``out`` that a checkpoint can resume, from its ``config.yaml``
     (``None``: no such run, or none recorded)."""
-    saved = out / "config.yaml"
-    if not (out / "checkpoint.pt").is_file() or not saved.is_file():
-        return None
-    precision = (yaml.safe_load(saved.read_text()) or {}).get("train", {}).get("precision")
+    precision = started_setting(out, "train", "precision")
     return precision if precision in PRECISIONS and precision != "auto" else None
+
+
+def started_setting(out: Path, section: str, key: str) -> Any:
+    """``section.key`` of the run in ``out`` that a checkpoint can resume, from its ``config.yaml``, or from the
+    checkpoint's own copy of the configuration where there is no ``config.yaml`` (a checkpoint copied into a new
+    folder); ``None``: no such run, or neither holds it."""
+    checkpoint, saved = out / "checkpoint.pt", out / "config.yaml"
+    if not checkpoint.is_file():
+        return None
+    if saved.is_file():
+        config = yaml.safe_load(saved.read_text()) or {}
+    else:
+        from obow.weights.checkpoint import load_checkpoint
+
+        config = load_checkpoint(checkpoint).get("config") or {}
+    return (config.get(section) or {}).get(key)
 
 
 def cpu_supports_bf16() -> bool | None:

@@ -48,6 +48,9 @@ Settings the tables change for a short run, the same rule for every row:
   elsewhere), a table that is continued, or shares rows or timed steps with another, keeps that plan's
   (plans that record none are fp32: every table before the key was). A machine that would choose otherwise
   still trains the table at its plan's precision, so that its rows and seeds stay comparable.
+* **Data pipeline**: one for the whole table too, recorded in ``plan.json`` the same way
+  (:func:`table_pipeline`; ``auto``: the device pipeline on a GPU, loader workers on a CPU; plans that record
+  none used loader workers).
 
 How the paper's settings map onto the base recipe:
 
@@ -109,7 +112,13 @@ from obow.experiments.tables.compare import (
     paired_verdict,
     paper_direction,
 )
-from obow.experiments.tables.plan import budget_plan, import_results, share_rows, table_precision
+from obow.experiments.tables.plan import (
+    budget_plan,
+    import_results,
+    share_rows,
+    table_pipeline,
+    table_precision,
+)
 from obow.experiments.tables.records import aggregate, machine_description, markdown, training_minutes
 from obow.experiments.tables.run import Task, run_in_order, run_in_processes, run_table
 from obow.experiments.tables.status import curves_text, monitor_curves, read_table_plan, table_status
@@ -142,6 +151,7 @@ __all__ = [
     "run_table",
     "select_rows",
     "share_rows",
+    "table_pipeline",
     "table_precision",
     "table_status",
     "training_minutes",

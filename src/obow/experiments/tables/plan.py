@@ -66,6 +66,8 @@ def read_time_against(
 #: The precision of a plan that does not say: obow recorded none before ``train.precision: auto``, when every
 #: table trained in float32.
 UNRECORDED_PRECISION = "fp32"
+#: The data pipeline of a plan that does not say: every table before the key made its views in loader workers.
+UNRECORDED_PIPELINE = "workers"
 
 
 def table_precision(folder: Path, asked: str, device: str, sources: list[str | Path | None]) -> str:
@@ -80,24 +82,43 @@ def table_precision(folder: Path, asked: str, device: str, sources: list[str | P
 
     from obow.training.precision import resolve_precision
 
+    new = resolve_precision(asked, torch.device(device))
+    return _table_setting(folder, "precision", "train.precision", asked, new, UNRECORDED_PRECISION, sources)
+
+
+def table_pipeline(folder: Path, asked: str, device: str, sources: list[str | Path | None]) -> str:
+    """The ``data.pipeline`` that makes every run's views in the table in ``folder``, kept in its ``plan.json`` as
+    :func:`table_precision` keeps the precision (a table begun on a CPU, in loader workers, and continued on a
+    GPU, where ``auto`` means the device pipeline, goes on in loader workers); for a new table, ``asked`` as
+    :func:`obow.training.build.resolve_pipeline` makes it on ``device``."""
+    import torch
+
+    from obow.training.build import resolve_pipeline
+
+    new = resolve_pipeline(asked, torch.device(device))
+    return _table_setting(folder, "pipeline", "data.pipeline", asked, new, UNRECORDED_PIPELINE, sources)
+
+
+def _table_setting(
+    folder: Path, key: str, setting: str, asked: str, new: str, unrecorded: str, sources: list[str | Path | None]
+) -> str:
+    """``plan.json``'s ``key`` for the table in ``folder`` and the plans of ``sources`` (they must agree; a plan
+    without it says ``unrecorded``), else ``new``; ``asked`` (``setting`` as this call gives it) must be ``auto``
+    or that value."""
     plans = [folder / "plan.json", *(Path(source) / "plan.json" for source in sources if source is not None)]
-    found = {
-        str(path): json.loads(path.read_text()).get("precision", UNRECORDED_PRECISION)
-        for path in plans
-        if path.is_file()
-    }
+    found = {str(path): json.loads(path.read_text()).get(key, unrecorded) for path in plans if path.is_file()}
     if not found:
-        return resolve_precision(asked, torch.device(device))
+        return new
     if len(set(found.values())) > 1:
-        listed = ", ".join(f"{path}: {precision}" for path, precision in found.items())
-        raise ValueError(f"these plans were made at different precisions ({listed}): their rows are not comparable")
-    precision = next(iter(found.values()))
-    if asked not in ("auto", precision):
+        listed = ", ".join(f"{path}: {value}" for path, value in found.items())
+        raise ValueError(f"these plans have different {setting} values ({listed}): their rows are not comparable")
+    value = next(iter(found.values()))
+    if asked not in ("auto", value):
         raise ValueError(
-            f"{next(iter(found))} was planned at train.precision={precision}, this call asks for {asked}: a table "
-            "keeps one precision (use another --out for a table at another)"
+            f"{next(iter(found))} was planned at {setting}={value}, this call asks for {asked}: a table keeps one "
+            f"{setting} (use another --out for a table with another)"
         )
-    return precision
+    return value
 
 
 def budget_plan(
@@ -113,9 +134,11 @@ def budget_plan(
     anchor: Anchor | None = None,
     against: Against | None = None,
     precision: str = UNRECORDED_PRECISION,
+    pipeline: str = UNRECORDED_PIPELINE,
 ) -> dict[str, Any]:
-    """Epochs and warm-up of every row's stages, and the ``precision`` they train at (:func:`table_precision`),
-    kept in ``<table>/plan.json`` so that every seed, and every
+    """Epochs and warm-up of every row's stages, and the ``precision`` they train at (:func:`table_precision`) and
+    the ``pipeline`` that makes their views (:func:`table_pipeline`), kept in ``<table>/plan.json`` so that every
+    seed, and every
     later call that completes the table, trains a row the same way. A minutes budget times the rows' steps
     (:func:`obow.experiments.budget.seconds_per_step`, in alternating rounds) the first time a row is met, or
     takes them from the ``plan.json`` of the table folder ``timing_from`` where that folder timed them. With an
@@ -135,8 +158,9 @@ def budget_plan(
             f"{folder} holds a table planned for {plan['budget']} and {plan['steps_per_epoch']} steps an epoch; "
             f"this call asks for {wanted} and {steps_per_epoch}: use another --out, or the same budget and images"
         )
-    recorded = "precision" in plan  # table_precision chose ``precision`` from this plan when it had one
+    recorded = "precision" in plan and "pipeline" in plan  # table_precision / _pipeline chose from this plan
     plan["precision"] = precision
+    plan["pipeline"] = pipeline
     stages = plan.setdefault("stages", {})
     every = {f"{row.slug}/{stage.name}": stage for row in rows for stage in row.plan()}
     missing = {key: stage for key, stage in every.items() if key not in stages}
@@ -177,7 +201,7 @@ def budget_plan(
                 # steps timed on different thread counts would measure the threads, not the lever)
                 items = [*against.common, *fill_placeholders(every[key].overrides, against.values)]
                 items.append(f"train.threads={configs[key].train.threads}")
-                items.append(f"train.precision={precision}")
+                items += [f"train.precision={precision}", f"data.pipeline={pipeline}"]
                 return items + (["bownet.teacher=unused-when-timing.pt"] if every[key].teacher else [])
 
             turns = {f"{key} [as there]": load_config(recipe, as_there(key)) for key in lent}
@@ -359,6 +383,7 @@ def share_rows(
     if own.get("budget") != expected["budget"] or own.get("steps_per_epoch") != steps_per_epoch:
         raise ValueError(f"--shared-from {source}: {folder} is planned for another budget or images; use another --out")
     own.setdefault("precision", plan.get("precision", UNRECORDED_PRECISION))  # table_precision: they agree
+    own.setdefault("pipeline", plan.get("pipeline", UNRECORDED_PIPELINE))  # table_pipeline: they agree
     stages = own.setdefault("stages", {})
     for mine, slug in matches.items():
         key, entry = f"{mine}/pretrain", planned[f"{slug}/pretrain"]

@@ -158,9 +158,12 @@ def _knn_k_text(record: dict[str, Any]) -> str:
 
 def _precision_text(plan: dict[str, Any]) -> str:
     """A sentence for a table trained in mixed precision (none for float32, which every table before
-    ``train.precision: auto`` used without recording it)."""
+    ``train.precision: auto`` used without recording it), and one for views made on the device pipeline."""
     precision = plan.get("precision", "fp32")
-    return "" if precision == "fp32" else f" Every run trained with `train.precision={precision}` (autocast)."
+    text = "" if precision == "fp32" else f" Every run trained with `train.precision={precision}` (autocast)."
+    if plan.get("pipeline", "workers") != "workers":  # loader workers, as every table before the key
+        text += f" Every run made its views with `data.pipeline={plan['pipeline']}`."
+    return text
 
 
 def _elsewhere_text(record: dict[str, Any]) -> str:

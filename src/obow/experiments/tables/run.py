@@ -19,6 +19,7 @@ from obow.experiments.tables.plan import (
     import_results,
     read_time_against,
     share_rows,
+    table_pipeline,
     table_precision,
 )
 from obow.experiments.tables.records import (
@@ -142,7 +143,9 @@ def run_table(
         }
         sources = [results_from, shared_from, timing_from, time_against]
         precision = table_precision(folder, base.train.precision, device, sources)
-        common = [*common, f"train.precision={precision}"]  # every run and timing of the table, whatever the recipe
+        pipeline = table_pipeline(folder, base.data.pipeline, device, sources)
+        # every run and timing of the table, whatever the recipe and the machine
+        common = [*common, f"train.precision={precision}", f"data.pipeline={pipeline}"]
         if results_from is not None:
             import_results(Path(results_from), folder, expected, steps_per_epoch)
         anchor = None
@@ -154,7 +157,7 @@ def run_table(
             against = read_time_against(Path(time_against), recipe, with_changes, len(train_images), minutes)
         plan = budget_plan(
             folder, chosen, recipe, common, values, budget, minutes, steps_per_epoch, timing_from, anchor, against,
-            precision,
+            precision, pipeline,
         )  # fmt: skip
         if plan_only:
             return plan

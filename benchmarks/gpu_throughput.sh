@@ -12,7 +12,7 @@
 # Parts, in order of value (each capped; a lent call lasts at most 10 minutes and the whole lease 15):
 #   1. end-to-end throughput, loader alone and step alone: cifar10_resnet18 at the recipe's settings, workers
 #      against device pipeline (the baseline in the same run); then the device pipeline alone at a large batch
-#      in bf16 + channels_last for cifar10_resnet18 and cifar10_fast, and at the recipe's batch for the two
+#      in bf16 + channels_last for cifar10_resnet18 (512 and 1024) and cifar10_fast, and at the recipe's batch for the two
 #      ImageNet-scale recipes (their workers baseline is docs/results/gpu_h100.md's step alone, an upper bound);
 #   2. equal-steps quality: cifar10_resnet18, 3 epochs of 10,000 CIFAR-10 images, workers and device pipeline,
 #      seeds 0 and 1, the four runs at once, kNN (k=200) on the 10,000 test images;
@@ -41,11 +41,11 @@ T0=$(date +%s)
 source benchmarks/gpu_parts.sh # part NAME CAP command...
 
 if [ "$SMALL" = 1 ]; then # the dry run: every part, tiny
-    S1=1 S2=1 B_BIG=16 B_R50=8 B_LIB=16 B_REC="data.batch_size=8" QUAL="data.batch_size=16 data.images_per_class=8"
+    S1=1 S2=1 B_BIG=16 B_HUGE=32 B_R50=8 B_LIB=16 B_REC="data.batch_size=8" QUAL="data.batch_size=16 data.images_per_class=8"
     TPX="--warmup 1 --rounds 1 --min-images 64" PROFX="--warmup 1 --steps 1" QEPOCHS=1
     BDIV=16 BEPOCHS=1 BQUAL="data.images_per_class=8"
 else
-    S1=15 S2=8 B_BIG=512 B_R50=128 B_LIB=512 B_REC="" QUAL="data.images_per_class=1000" TPX="--warmup 3" PROFX=""
+    S1=15 S2=8 B_BIG=512 B_HUGE=1024 B_R50=128 B_LIB=512 B_REC="" QUAL="data.images_per_class=1000" TPX="--warmup 3" PROFX=""
     QEPOCHS=3 BDIV=1 BEPOCHS=${BEPOCHS:-3} BQUAL=""
 fi
 TP="python3 benchmarks/throughput.py --device $DEVICE --workers $WORKERS --cache-dir $CACHE --json $OUT/throughput.json $TPX"
@@ -56,6 +56,8 @@ export OUT C10 INETTE DEVICE WORKERS CACHE B_BIG B_LIB B_REC QUAL QEPOCHS FAST P
 part env 20 bash -c 'nproc; nvidia-smi -L 2>/dev/null; python3 -c "import torch, torchvision; print(torch.__version__, torchvision.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0))"'
 part c10r18 80 $TP --config cifar10_resnet18 --data "$C10/train" --steps $S1 $B_REC --label "recipe: batch 128, fp32"
 part c10r18_big 50 $TP --pipelines device --diagnose every logged --config cifar10_resnet18 --data "$C10/train" --steps $S2 data.batch_size=$B_BIG $FAST
+# batch 1024: the step's launches are the same as at 512 (benchmarks/step_ops.py), its arithmetic doubles
+part c10r18_huge 50 $TP --pipelines device --config cifar10_resnet18 --data "$C10/train" --steps $S2 data.batch_size=$B_HUGE $FAST
 part c10fast_big 35 $TP --pipelines device --config cifar10_fast --data "$C10/train" --steps $S2 data.batch_size=$B_BIG $FAST
 part in20 40 $TP --pipelines device --config imagenet20_resnet18_full --data "$INETTE/train" --steps $S2 $B_REC data.images_per_class=null $FAST
 part r50 45 $TP --pipelines device --config imagenet_resnet50_full --data "$INETTE/train" --steps $S2 data.batch_size=$B_R50 data.images_per_class=null $FAST

@@ -5,6 +5,11 @@ A tiny fixed batch of scikit-learn digits (8 images, upscaled to 32 px, two fixe
 new random order every step, as a data loader would, so the queue slots are refilled with words of random
 images. The yardstick is the loss of predicting the batch's average BoW for every image ("marginal"): a
 head that cannot tell which words are which can at best match it.
+
+The network is a ResNet-18 at half width (32 to 256 channels), trained 160 steps: measured at seeds 0, 1, 2
+(2026-11-27), the dynamic head's loss fell to 0.069-0.079 of its start and to 0.43-0.51 of the marginal, the
+fixed head's stayed at 1.15-1.64 of it. The test takes 52 s in the suite where the full width's 80 steps took
+74 s (CI, 2026-11-27); at 80 steps the half width fell to only 0.11 of its start.
 """
 
 import numpy as np
@@ -27,10 +32,11 @@ def _fixed_batch(digits_images, size=32, crop=22):
     return teacher, torch.stack(crops, dim=1)
 
 
-def _train(head, teacher, views, steps=80, seed=0):
+def _train(head, teacher, views, steps=160, seed=0):
     torch.manual_seed(seed)
     cfg = ModelConfig(
-        arch="resnet18",
+        arch="timm:resnet18",
+        arch_options={"channels": [32, 64, 128, 256], "stem_width": 32},
         stem="cifar",
         levels=("conv5",),
         num_words=16,

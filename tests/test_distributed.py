@@ -154,8 +154,10 @@ def test_random_vocabulary_choices_agree_across_processes(two_process_states):
 
 
 @pytest.mark.slow
-def test_torchrun_pretraining_on_two_cpu_processes(tmp_path, tiny_recipe, write_images, free_port):
-    """The real launcher: `torchrun --nproc_per_node 2 -m obow.cli pretrain ...` with gloo on the CPU."""
+@pytest.mark.parametrize("pipeline", ["workers", "device"])
+def test_torchrun_pretraining_on_two_cpu_processes(tmp_path, tiny_recipe, write_images, free_port, pipeline):
+    """The real launcher: `torchrun --nproc_per_node 2 -m obow.cli pretrain ...` with gloo on the CPU; on the device
+    pipeline each process renders its share of every global batch from the one cache."""
     recipe = tiny_recipe
     data = write_images(tmp_path / "data", per_class=8)
     out = tmp_path / "run"
@@ -163,7 +165,7 @@ def test_torchrun_pretraining_on_two_cpu_processes(tmp_path, tiny_recipe, write_
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
         "-m", "obow.cli", "pretrain", "--config", str(recipe), "--data", str(data), "--out", str(out),
-        "optim.epochs=1", "train.knn_every=0",
+        "optim.epochs=1", "train.knn_every=0", f"data.pipeline={pipeline}", f"data.cache_dir={tmp_path / 'cache'}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -173,3 +175,6 @@ def test_torchrun_pretraining_on_two_cpu_processes(tmp_path, tiny_recipe, write_
     assert ckpt["iteration"] == 2  # 16 images, global batch 8
     assert len((out / "log.jsonl").read_text().splitlines()) == 3  # only rank 0 writes: 2 steps + 1 epoch
     assert proc.stderr.count("New run") == 1
+    made = "Data: views made on the cpu from" if pipeline == "device" else "Data: views made by"
+    assert proc.stderr.count(made) == 1  # the main process's header
+    assert load_checkpoint(out / "checkpoint.pt")["config"]["data"]["pipeline"] == pipeline

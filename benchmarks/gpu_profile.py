@@ -18,10 +18,8 @@ import sys
 import time
 
 import torch
-from throughput import build, step, synchronize
+from throughput import benchmark_config, build, step, synchronize
 from torch.profiler import ProfilerActivity, profile, record_function
-
-from obow.config import load_config
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,11 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    overrides = [f"data.path={args.data}", f"data.pipeline={args.pipeline}", f"data.num_workers={args.workers}",
-                 f"train.device={device.type}", *args.overrides]  # fmt: skip
-    if args.cache_dir:
-        overrides.append(f"data.cache_dir={args.cache_dir}")
-    cfg = load_config(args.config, overrides)
+    cfg = benchmark_config(args.config, args.data, args.pipeline, args.workers, device, args.cache_dir, args.overrides)
     setup = build(args.pipeline, cfg, device, min_images=10_000)
     for _ in range(args.warmup):
         step(setup, next(setup.batches))

@@ -27,10 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from throughput import build, step
+from throughput import benchmark_config, build, step
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from obow.config import load_config
 
 
 def is_alias(func: Any) -> bool:
@@ -117,13 +115,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    overrides = [f"data.path={args.data}", f"data.pipeline={args.pipeline}", "data.num_workers=0",
-                 f"train.device={device.type}", *args.overrides]  # fmt: skip
-    if args.batch:
-        overrides.append(f"data.batch_size={args.batch}")
-    if args.cache_dir:
-        overrides.append(f"data.cache_dir={args.cache_dir}")
-    cfg = load_config(args.config, overrides)
+    batch = [f"data.batch_size={args.batch}"] if args.batch else []
+    cfg = benchmark_config(args.config, args.data, args.pipeline, 0, device, args.cache_dir, [*batch, *args.overrides])
     setup = build(args.pipeline, cfg, device, min_images=4 * cfg.data.batch_size)
     batch = next(setup.batches)
     for _ in range(2):  # the optimiser's state and the lazily built parts exist after the first steps

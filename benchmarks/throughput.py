@@ -113,6 +113,18 @@ def timed(setup: Setup, what: str, steps: int, device: torch.device) -> float:
 MEASURES = ("end_to_end", "loader", "step")
 
 
+def benchmark_config(
+    config: str, data: str, pipeline: str, workers: int, device: torch.device, cache_dir: str | None, overrides: list
+) -> Config:
+    """The recipe ``config`` on the images in ``data`` with ``pipeline`` on ``device``, as the benchmarks run it
+    (``cache_dir``: the device pipeline's ``data.cache_dir``; ``overrides``: the command line's, applied last)."""
+    items = [f"data.path={data}", f"data.pipeline={pipeline}", f"data.num_workers={workers}",
+             f"train.device={device.type}"]  # fmt: skip
+    if cache_dir:
+        items.append(f"data.cache_dir={cache_dir}")
+    return load_config(config, [*items, *overrides])
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
@@ -142,13 +154,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.backends.cudnn.benchmark = True
     setups = []
     for pipeline in args.pipelines:
-        overrides = [f"data.path={args.data}", f"data.pipeline={pipeline}", f"data.num_workers={args.workers}",
-                     f"train.device={device.type}", *args.overrides]  # fmt: skip
-        if args.cache_dir:
-            overrides.append(f"data.cache_dir={args.cache_dir}")
         for diagnose in args.diagnose:
             name = pipeline if len(args.diagnose) == 1 else f"{pipeline}, diagnostics {diagnose}"
-            setups.append(build(name, load_config(args.config, overrides), device, args.min_images, diagnose))
+            cfg = benchmark_config(
+                args.config, args.data, pipeline, args.workers, device, args.cache_dir, args.overrides
+            )
+            setups.append(build(name, cfg, device, args.min_images, diagnose))
     for setup in setups:
         for _ in range(args.warmup):
             step(setup, next(setup.batches))

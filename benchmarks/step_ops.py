@@ -3,7 +3,9 @@
 On a GPU each operation that computes something (not a view) is at least one kernel launch, and the profile in
 docs/results/gpu_profile.md found the step bound by the host issuing them. This counts them on any device, a
 CPU included, with a ``TorchDispatchMode`` that sees every operation below autograd (the backward pass and the
-optimiser too): views and other aliases are left out, everything else is counted once. Each is attributed to
+optimiser too): views and other aliases are left out, everything else is counted once. Among them, the reads of a
+device value by the host (``_local_scalar_dense``: ``.item()``, ``int()``, ``bool()`` of a tensor), each of which
+makes the host wait for the device on a GPU, so that it cannot issue the next step's work ahead. Each is attributed to
 the innermost obow source file and function on the Python stack (``backward`` for the autograd engine's work,
 ``optimizer`` for ``torch.optim``), for a logged step (diagnostics computed) and an unlogged one, and for
 rendering a batch's views on the device pipeline. The views are rendered from images on PyTorch's ``meta``
@@ -119,11 +121,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = benchmark_config(args.config, args.data, args.pipeline, 0, device, args.cache_dir, [*batch, *args.overrides])
     setup = build(args.pipeline, cfg, device, min_images=4 * cfg.data.batch_size)
     batch = next(setup.batches)
+    setup.diagnose_every = 2
     for _ in range(2):  # the optimiser's state and the lazily built parts exist after the first steps
         step(setup, batch)
-    setup.diagnose_every = 2
-    setup.steps = 0  # the next step is step 1: unlogged
-    unlogged = count(lambda: step(setup, batch))
+    unlogged = count(lambda: step(setup, batch))  # step 3 of diagnose_every 2: unlogged
     logged = count(lambda: step(setup, batch))
     counted = {
         "step (unlogged)": unlogged,
@@ -134,6 +135,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"(not views/aliases) per step")  # fmt: skip
     for name, counter in counted.items():
         print(f"{name}: {counter.total:,}" + (f" (and {counter.host:,} on the host)" if counter.host else ""))
+    print(
+        "reads of a device value by the host (.item(), int(), bool(); each a wait for the device on a GPU): "
+        + ", ".join(f"{name} {c.operators.get('_local_scalar_dense', 0)}" for name, c in counted.items())
+    )
     print("\nby call site, unlogged step (logged step beside it):")
     for site, n in unlogged.sites.most_common(args.top):
         print(f"{n:7,d} {logged.sites[site]:7,d}  {site}")

@@ -89,6 +89,7 @@ def build(name: str, cfg: Config, device: torch.device, min_images: int, diagnos
 def step(setup: Setup, batch: dict[str, Any]) -> None:
     setup.steps += 1
     setup.run.model.diagnose = setup.steps % setup.diagnose_every == 0  # as the loop: on its logged steps
+    setup.run.model.host_iteration = setup.steps - 1  # as the loop counts the iterations
     train_step(setup.run, batch["image"], setup.cfg.optim.lr)
 
 

@@ -250,6 +250,8 @@ def test_step_ops_counts_each_steps_operations_by_call_site(throughput, tmp_path
     assert "bow.targets:kl_to_mean_bow" in logged["sites"] and "bow.targets:kl_to_mean_bow" not in unlogged["sites"]
     assert "diagnostics:effective_rank" in logged["sites"] and "diagnostics:effective_rank" not in unlogged["sites"]
     assert 0 < unlogged["sites"]["optimizer"] <= 10  # one fused update, not a few per parameter
+    assert "_local_scalar_dense" not in unlogged["operators"]  # no wait for the device (the momentum's iteration)
+    assert logged["operators"]["_local_scalar_dense"] >= 1  # the logged step checks it against the model's
     assert unlogged["sites"]["backward"] > 0 and any(s.startswith("backbones") for s in unlogged["sites"])
     assert views["total"] > 0 and views["host"] > 0
     assert all(site.startswith("data.batched_views") for site in views["sites"])

@@ -92,3 +92,20 @@ def test_a_run_computes_the_diagnostics_on_its_logged_steps_and_averages_them_pe
     for epoch, logged in zip(epochs, ([2, 4, 5], [6, 8, 10]), strict=True):
         values = [r["student/effective_rank"] for r in steps if r["iteration"] in logged]
         assert epoch["effective_rank"] == pytest.approx(np.mean(values), rel=1e-5)
+
+
+def test_the_progress_bar_reads_the_loss_on_logged_steps_only():
+    """On a GPU reading a step's loss waits for the device; the bar shows the last logged step's between them."""
+    from obow.training.logger import Progress
+
+    class Unread:
+        def __float__(self):
+            raise AssertionError("an unlogged step's loss was read")
+
+    bar = Progress(enabled=True, desc="epoch 1", start=0, per_epoch=4, remaining_total=4)
+    bar.update(8, {"loss": torch.tensor(2.5)}, 0.1, logged=True)
+    bar.update(8, {"loss": Unread()}, 0.1, logged=False)
+    assert bar.bar.postfix.startswith("step loss 2.500") and bar.bar.n == 2
+    bar.update(8, {"loss": torch.tensor(1.25), "student/effective_rank": torch.tensor(3.0)}, 0.1, logged=True)
+    assert bar.bar.postfix.startswith("step loss 1.250 rank 3.0")
+    bar.close()

@@ -145,6 +145,23 @@ def test_momentum_schedule_end_points_and_iteration_counter():
     assert int(model.iteration) == 4 and model.current_momentum() == pytest.approx(1.0)
 
 
+def test_the_momentum_follows_the_loops_iteration_and_a_wrong_one_is_caught_on_a_diagnosed_step():
+    """``host_iteration`` (the training loop's count) spares every step a read of the device; the steps that
+    compute diagnostics compare it with the model's ``iteration`` buffer."""
+    model = tiny_model(total_iterations=4).train()
+    model.host_iteration = 0
+    assert model.current_momentum() == teacher_momentum(0, 4)
+    model.iteration.fill_(2)
+    model.host_iteration = 2
+    assert model.current_momentum() == teacher_momentum(2, 4)
+    model.host_iteration = 3
+    model.diagnose = False  # unchecked: the schedule at the loop's count
+    assert model.current_momentum() == teacher_momentum(3, 4)
+    model.diagnose = True
+    with pytest.raises(RuntimeError, match="host_iteration 3 is not the model's iteration 2"):
+        model(*tiny_batch())
+
+
 def test_learning_rate_schedule():
     kw = dict(base_lr=0.03, epochs=10, warmup_epochs=2, end_lr=3e-5)
     assert learning_rate(0, 100, **kw) == 0.0

@@ -109,6 +109,10 @@ class Method(nn.Module):
         #: and prediction weights'. The training loop sets it on the steps it logs only: the effective rank's
         #: float64 SVD took 59 of a 101 ms GPU step, and each of the others is a few more kernel launches.
         self.diagnose = True
+        #: The iteration of the step about to run, as the training loop counts it (equal to the ``iteration``
+        #: buffer of the methods that keep one), so that a schedule read on every step does not read the device
+        #: (a synchronisation on a GPU); ``None``: read the buffer.
+        self.host_iteration: int | None = None
 
     def prepare(self, images: ImageList, cfg: Config, device: torch.device) -> Any:
         """Once, before the first step of a new run; nothing by default."""

@@ -106,8 +106,14 @@ class OBoW(Method):
         )
 
     def current_momentum(self) -> float:
-        """``alpha`` for the step about to run."""
-        return teacher_momentum(int(self.iteration), self.total_iterations, self.base_momentum, self.momentum_schedule)
+        """``alpha`` for the step about to run, at :attr:`host_iteration` when the loop gives it (checked against
+        the ``iteration`` buffer on the steps that compute diagnostics, which read the device anyway)."""
+        iteration = self.host_iteration
+        if iteration is None:
+            iteration = int(self.iteration)
+        elif self.diagnose and iteration != int(self.iteration):
+            raise RuntimeError(f"host_iteration {iteration} is not the model's iteration {int(self.iteration)}")
+        return teacher_momentum(iteration, self.total_iterations, self.base_momentum, self.momentum_schedule)
 
     @torch.no_grad()
     def update_teacher(self, momentum: float) -> None:

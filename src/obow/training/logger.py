@@ -105,23 +105,27 @@ class Progress:
         self.remaining = remaining_total
         self.started = time.time()
         self.steps = 0
+        self.values = ""  # the last logged step's loss (and rank)
         if enabled:
             from tqdm import tqdm
 
             self.bar = tqdm(total=per_epoch, initial=start, desc=desc, dynamic_ncols=True, leave=True)
 
-    def update(self, batch: int, metrics: dict[str, torch.Tensor], lr: float) -> None:
+    def update(self, batch: int, metrics: dict[str, torch.Tensor], lr: float, logged: bool = True) -> None:
+        """One step more. The step's loss and rank are read (on a GPU, a wait for the device) on ``logged`` steps
+        only; the others show the last logged step's, so that the host can issue the next steps' work while the
+        device runs this one."""
         self.steps += 1
         if self.bar is None:
             return
         per_step = (time.time() - self.started) / self.steps
         left = max(self.remaining - self.steps, 0) * per_step
-        rank = metrics.get("student/effective_rank")
-        rank_text = f" rank {float(rank):.1f}" if rank is not None else ""
+        if logged or not self.values:
+            rank = metrics.get("student/effective_rank")
+            rank_text = f" rank {float(rank):.1f}" if rank is not None else ""
+            self.values = f"step loss {float(metrics['loss']):.3f}{rank_text}"
         self.bar.set_postfix_str(
-            f"step loss {float(metrics['loss']):.3f}{rank_text} lr {lr:.3g} img/s {batch / per_step:.1f} "
-            f"left {format_seconds(left)}",
-            refresh=False,
+            f"{self.values} lr {lr:.3g} img/s {batch / per_step:.1f} left {format_seconds(left)}", refresh=False
         )
         self.bar.update(1)
 

@@ -258,7 +258,9 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
             end_lr=cfg.optim.end_lr,
             cosine_per_epoch=cfg.optim.cosine_per_epoch,
         )
-        run.model.diagnose = logged_step(state.iteration + 1, interval, state.batch_in_epoch + 1 == run.iters_per_epoch)
+        logged = logged_step(state.iteration + 1, interval, state.batch_in_epoch + 1 == run.iters_per_epoch)
+        run.model.diagnose = logged
+        run.model.host_iteration = state.iteration  # the model's iteration, counted here: no read of the device's
         metrics = train_step(run, batch["image"], lr)
         state.iteration += 1
         state.batch_in_epoch += 1
@@ -266,7 +268,7 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
         for key, total in state.epoch_sums.items():
             total += metrics.get(key, 0.0)
         note_skipped(state, batch["skipped"])
-        if logged_step(state.iteration, interval, state.batch_in_epoch == run.iters_per_epoch):
+        if logged:
             values = {k: float(v) for k, v in metrics.items()}
             if not math.isfinite(values["loss"]):
                 raise RunError(
@@ -274,7 +276,7 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
                     f"is {run.out / 'checkpoint.pt'} (lower optim.lr or use train.precision=fp32)"
                 )
             run.logger.step(epoch, state.iteration, lr, values, len(state.skipped), cfg.data.batch_size)
-        progress.update(cfg.data.batch_size, metrics, lr)
+        progress.update(cfg.data.batch_size, metrics, lr, logged)
         if state.batch_in_epoch < run.iters_per_epoch:  # the epoch's end has its own checkpoint and check
             step_boundary(run, state)
     progress.close()

@@ -154,8 +154,9 @@ def test_a_device_pipeline_run_trains_checkpoints_and_resumes_to_the_uninterrupt
     cfg = load_config(tiny_recipe, [f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", *DEVICE_RUN])
     with caplog.at_level(logging.INFO, logger="obow"):
         whole = pretrain(cfg, tmp_path / "whole")
-    header = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Data:"))
-    assert header.startswith("Data: views made on the cpu from 12 images decoded to 20 px squares, 0 MiB in memory")
+    header = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Data:")]
+    assert header[0] == f"Data: decoding 12 images of {data} into the image cache in {tmp_path / 'cache'}"
+    assert header[1].startswith("Data: views made on the cpu from 12 images decoded to 20 px squares, 0 MiB in memory")
     assert whole["iteration"] == 6
 
     original = DeviceLoader.__iter__

@@ -177,4 +177,25 @@ def test_torchrun_pretraining_on_two_cpu_processes(tmp_path, tiny_recipe, write_
     assert proc.stderr.count("New run") == 1
     made = "Data: views made on the cpu from" if pipeline == "device" else "Data: views made by"
     assert proc.stderr.count(made) == 1  # the main process's header
+    assert proc.stderr.count("Data: decoding 16 images") == (pipeline == "device")  # by one process, not each
     assert load_checkpoint(out / "checkpoint.pt")["config"]["data"]["pipeline"] == pipeline
+
+
+@pytest.mark.slow
+def test_torchrun_on_a_folder_the_cache_cannot_read_stops_both_processes(tmp_path, tiny_recipe, free_port):
+    """The first process builds the device pipeline's cache; when it cannot, the other stops too (it does not
+    wait for a cache that will not come), each with one line."""
+    for i in range(4):
+        (tmp_path / "bad" / "a").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "bad" / "a" / f"{i}.png").write_bytes(b"junk")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        "-m", "obow.cli", "pretrain", "--config", str(tiny_recipe), "--data", str(tmp_path / "bad"),
+        "--out", str(tmp_path / "run"), "data.pipeline=device", f"data.cache_dir={tmp_path / 'cache'}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode != 0
+    assert f"obow: error: no readable image under {tmp_path / 'bad'}" in proc.stderr
+    assert "obow: error: the image cache could not be built: see the first process's message" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()

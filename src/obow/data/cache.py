@@ -182,6 +182,7 @@ def _write_cache(images: ImageList, side: int, folder: Path, key: str, sizes: di
         names = names_key(images)
         remove_old_caches(folder, f"{folder_key(images.root)}-*-{side}px", KEEP_PER_FOLDER - 1, key, names)
         partial = folder / f"{key}.u8.{os.getpid()}.partial"  # runs that build the same cache at once do not mix
+        log.info("Data: decoding %d images of %s into the image cache in %s", len(images), images.root, folder)
         kept: list[int] = []
         with open(partial, "wb") as out, ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             for i, pixels in enumerate(pool.map(lambda p: _decode(p, side), images.paths, chunksize=64)):

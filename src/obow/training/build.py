@@ -18,7 +18,7 @@ from torch import nn
 from obow import distributed as D
 from obow.config import Config
 from obow.data import PIPELINES
-from obow.data.cache import build_cache
+from obow.data.cache import ImageCache, build_cache
 from obow.data.device_loader import DeviceLoader
 from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loader, scan_images
 from obow.methods import build_batched_views, build_method, build_views, views_side
@@ -74,7 +74,7 @@ def build_data(
     local_batch = cfg.data.batch_size // world
     pipeline = data_pipeline(cfg, device)
     if pipeline == "device":
-        cache = build_cache(images, views_side(cfg.views), cfg.data.cache_size, cfg.data.cache_dir)
+        cache = shared_cache(images, cfg, device)
         images = cache.images
     sampler = EpochSampler(len(images), local_batch, seed=cfg.train.seed, rank=D.rank(), world_size=world)
     if pipeline == "device":
@@ -91,6 +91,28 @@ def build_data(
     )
     log_main("Data: views made by %d loader worker(s)", cfg.data.num_workers)
     return images, sampler, loader
+
+
+def shared_cache(images: ImageList, cfg: Config, device: torch.device) -> ImageCache:
+    """The device pipeline's cache of ``images``, decoded by one process per machine (the first, ``LOCAL_RANK``
+    0) while the others wait, then read by them; not by every process at once. When it fails there, every
+    process stops (the others with a line that points at its message) instead of waiting for it."""
+
+    def build() -> ImageCache:
+        return build_cache(images, views_side(cfg.views), cfg.data.cache_size, cfg.data.cache_dir)
+
+    if not D.is_distributed():
+        return build()
+    first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    cache, error = None, None
+    if first:
+        try:
+            cache = build()
+        except ValueError as err:
+            error = err
+    if D.agree_any([error is not None], device)[0]:
+        raise error or ValueError("the image cache could not be built: see the first process's message")
+    return cache if cache is not None else build()
 
 
 def resolve_pipeline(pipeline: str, device: torch.device) -> str:

@@ -8,7 +8,7 @@ head that cannot tell which words are which can at best match it.
 
 The network is a ResNet-18 at half width (32 to 256 channels), trained 160 steps: measured at seeds 0, 1, 2
 (2026-11-27), the dynamic head's loss fell to 0.069-0.079 of its start and to 0.43-0.51 of the marginal, the
-fixed head's stayed at 1.15-1.64 of it. The test took 47-49 s in CI runs where the full width's 80 steps took
+fixed head's stayed at 1.15-1.64 of it. The test took 44-49 s in CI runs where the full width's 80 steps took
 74 s (2026-11-27); at 80 steps the half width fell to only 0.11 of its start.
 """
 

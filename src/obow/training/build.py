@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loade
 from obow.methods import build_batched_views, build_method, build_views, views_side
 from obow.methods.base import Method
 from obow.training.logger import log_main
-from obow.training.precision import check_precision, started_setting
+from obow.training.precision import check_precision
 from obow.training.state import RunError
 
 __all__ = [
@@ -130,16 +129,17 @@ def data_pipeline(cfg: Config, device: torch.device) -> str:
     return resolve_pipeline(cfg.data.pipeline, device)
 
 
-def settle_pipeline(cfg: Config, out: Path, device: torch.device) -> Config:
-    """``cfg`` with ``data.pipeline: auto`` made concrete for the run in ``out``, as ``train.precision: auto`` is:
-    a run being resumed keeps the pipeline it started with (a run started on a GPU and resumed on a CPU makes
-    the same views, and a change of the default cannot switch a run half-way), a new run takes
-    :func:`resolve_pipeline`'s choice. ``config.yaml`` and the checkpoint then hold it. A run whose
-    ``config.yaml`` says ``auto`` or nothing (started before the choice was recorded, or before the setting
-    existed, whose default ``auto`` it then had) keeps ``auto``, and its rule; asked for the pipeline that rule
-    gives on ``device`` (as a table pins its pipeline), it resumes as the same run."""
-    started = started_setting(out, "data", "pipeline")
-    unrecorded = started not in ("workers", "device") and (out / "checkpoint.pt").is_file()
+def settle_pipeline(cfg: Config, device: torch.device, started_with: dict[str, Any] | None) -> Config:
+    """``cfg`` with ``data.pipeline: auto`` made concrete for a run, as ``train.precision: auto`` is: a run being
+    resumed keeps the pipeline it started with (``started_with``, the configuration
+    :func:`obow.training.state.started_config` reads; a run started on a GPU and resumed on a CPU makes the same
+    views, and a change of the default cannot switch a run half-way), a new run (``None``) takes
+    :func:`resolve_pipeline`'s choice. ``config.yaml`` and the checkpoint then hold it. A run whose configuration
+    says ``auto`` or nothing (started before the choice was recorded, or before the setting existed, whose
+    default ``auto`` it then had) keeps ``auto``, and its rule; asked for the pipeline that rule gives on
+    ``device`` (as a table pins its pipeline), it resumes as the same run."""
+    started = ((started_with or {}).get("data") or {}).get("pipeline")
+    unrecorded = started_with is not None and started not in ("workers", "device")
     if cfg.data.pipeline != "auto":
         if unrecorded and cfg.data.pipeline == resolve_pipeline("auto", device):
             return settled(cfg, "auto")  # what the run's recorded auto makes here: the same run (e.g. a table's)

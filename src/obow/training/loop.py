@@ -59,6 +59,7 @@ from obow.training.state import (
     open_run,
     save_run,
     start_or_resume,
+    started_config,
     summary,
 )
 from obow.training.threads import chosen_threads
@@ -169,7 +170,8 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
         raise RunError("no training images: set data.path (obow pretrain --data DIR)")
     check_inputs(cfg)  # before the run folder is created
     with RunLock(out, device=device):  # one writer per run folder, from here to the end
-        cfg = settle_pipeline(settle_precision(cfg, out, device), out, device)
+        started_with = started_config(out)
+        cfg = settle_pipeline(settle_precision(cfg, device, started_with), device, started_with)
         with chosen_threads(cfg, workers=data_pipeline(cfg, device) == "workers"):
             return train_in_lock(cfg, out, device, monitor)
 

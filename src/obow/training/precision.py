@@ -9,11 +9,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from obow.config import Config
 from obow.training import PRECISIONS
@@ -67,14 +65,15 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return "bf16" if native_bf16(device) else "fp32"
 
 
-def settle_precision(cfg: Config, out: Path, device: torch.device) -> Config:
-    """``cfg`` with ``train.precision: auto`` made concrete for the run in ``out``: a run being resumed keeps the
-    precision it started with (its ``config.yaml`` holds it; a resume on another machine computes as the run
-    did, exactly), a new run takes :func:`resolve_precision`'s choice for ``device``. Every other ``cfg`` is
-    returned as it is. ``config.yaml`` and the checkpoint then hold the concrete value."""
+def settle_precision(cfg: Config, device: torch.device, started_with: dict[str, Any] | None) -> Config:
+    """``cfg`` with ``train.precision: auto`` made concrete for a run: a run being resumed keeps the precision it
+    started with (``started_with``, the configuration :func:`obow.training.state.started_config` reads; a resume
+    on another machine computes as the run did, exactly), a new run (``None``) takes :func:`resolve_precision`'s
+    choice for ``device``. Every other ``cfg`` is returned as it is. ``config.yaml`` and the checkpoint then hold
+    the concrete value."""
     if cfg.train.precision != "auto":
         return cfg
-    started = started_precision(out)
+    started = started_precision(started_with)
     precision = started or resolve_precision("auto", device)
     why = (
         "as the run started"
@@ -91,27 +90,11 @@ def settle_precision(cfg: Config, out: Path, device: torch.device) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
 
 
-def started_precision(out: Path) -> str | None:
-    """The ``train.precision`` of the run in ``out`` that a checkpoint can resume, from its ``config.yaml``
-    (``None``: no such run, or none recorded)."""
-    precision = started_setting(out, "train", "precision")
+def started_precision(started_with: dict[str, Any] | None) -> str | None:
+    """The ``train.precision`` a run started with, from its configuration (``None``: a new run, or none
+    recorded)."""
+    precision = ((started_with or {}).get("train") or {}).get("precision")
     return precision if precision in PRECISIONS and precision != "auto" else None
-
-
-def started_setting(out: Path, section: str, key: str) -> Any:
-    """``section.key`` of the run in ``out`` that a checkpoint can resume, from its ``config.yaml``, or from the
-    checkpoint's own copy of the configuration where there is no ``config.yaml`` (a checkpoint copied into a new
-    folder); ``None``: no such run, or neither holds it."""
-    checkpoint, saved = out / "checkpoint.pt", out / "config.yaml"
-    if not checkpoint.is_file():
-        return None
-    if saved.is_file():
-        config = yaml.safe_load(saved.read_text()) or {}
-    else:
-        from obow.weights.checkpoint import load_checkpoint
-
-        config = load_checkpoint(checkpoint).get("config") or {}
-    return (config.get(section) or {}).get(key)
 
 
 def cpu_supports_bf16() -> bool | None:

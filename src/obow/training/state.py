@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
 from torch import nn
 
 from obow import distributed as D
@@ -121,6 +122,18 @@ def check_inputs(cfg: Config) -> None:
         if path is not None and not Path(path).is_dir():
             what = "is not a folder" if Path(path).exists() else "does not exist"
             raise RunError(f"{option} {path} ({key}) {what}: nothing was written")
+
+
+def started_config(out: Path) -> dict[str, Any] | None:
+    """The configuration the run in ``out`` started with, when a checkpoint can resume it: its ``config.yaml``, or
+    the checkpoint's own copy where there is none (a checkpoint copied into a new folder); ``None``: a new run.
+    What ``auto`` settings resolved to is read from it (``train.precision``, ``data.pipeline``)."""
+    checkpoint, saved = out / "checkpoint.pt", out / "config.yaml"
+    if not checkpoint.is_file():
+        return None
+    if saved.is_file():
+        return yaml.safe_load(saved.read_text()) or {}
+    return load_checkpoint(checkpoint).get("config") or {}
 
 
 def open_run(cfg: Config, out: Path) -> dict[str, Any] | None:

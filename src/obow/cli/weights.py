@@ -1,6 +1,7 @@
 """The commands that move weights in and out of obow.
 
 obow export --checkpoint runs/x/checkpoint.pt --out backbone.pth --format torchvision|timm|detectron2
+obow export --checkpoint runs/x/checkpoint.pt --out backbone.safetensors   # the same weights as safetensors
 obow import-official FILE --out CKPT             # the authors' released weights as an obow checkpoint
 """
 
@@ -14,14 +15,21 @@ from obow.cli.common import ARCHITECTURES, FORMATS, NETWORKS, positive_float
 
 
 def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``obow export --checkpoint PATH --out FILE --format torchvision|detectron2``."""
+    """Register ``obow export --checkpoint PATH --out FILE --format torchvision|timm|detectron2``."""
     p = subparsers.add_parser(
         "export",
-        help="write a pretrained backbone for torchvision or Detectron2",
-        description="Write the backbone of a pretraining checkpoint, plus FILE.json describing it.",
+        help="write a pretrained backbone for torchvision, timm or Detectron2",
+        description="Write the backbone of a pretraining checkpoint, plus FILE.json describing it. The name of "
+        "FILE picks the container: FILE.safetensors is written as safetensors (the metadata of FILE.json in its "
+        "header too), any other name with torch.save; --format detectron2 writes a pickle (FILE.pkl).",
     )
     p.add_argument("--checkpoint", required=True, help="a pretraining checkpoint (obow pretrain)")
-    p.add_argument("--out", required=True, help="output file")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        help="output file: FILE.safetensors for safetensors (torchvision and timm formats), else torch.save",
+    )
     p.add_argument(
         "--format", choices=FORMATS, default=None, help="default: timm for timm: backbones, else torchvision"
     )
@@ -54,8 +62,8 @@ def run_export(args: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         meta = export_backbone(args.checkpoint, args.out, network=args.network, fmt=args.format)
     print(
-        f"wrote {args.out} ({meta['format']}: {meta['arch']}, {meta['stem']} stem, {meta['network']}, "
-        f"epoch {meta['epoch']}) and {args.out}.json"
+        f"wrote {args.out} ({meta['format']}, {meta['container']}: {meta['arch']}, {meta['stem']} stem, "
+        f"{meta['network']}, epoch {meta['epoch']}) and {args.out}.json"
     )
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)

@@ -35,8 +35,9 @@ import pickle
 import re
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -58,8 +59,9 @@ NUMPY_GLOBALS = [
 ]
 
 
-def save_atomic(obj: Any, path: str | Path) -> None:
-    """``torch.save`` to a temporary file in the same folder, then rename it over ``path``.
+def save_atomic(obj: Any, path: str | Path, dump: Callable[[Any, BinaryIO], Any] = torch.save) -> None:
+    """``dump(obj, file)`` (``torch.save`` unless given) to a temporary file in the same folder, then rename it over
+    ``path``.
 
     The previous file stays whole until the new one is complete: a crash, a kill, a second Ctrl-C or a failed
     write (full disk, file size limit) during the write leaves it intact and removes the temporary file. A
@@ -75,7 +77,7 @@ def save_atomic(obj: Any, path: str | Path) -> None:
             os.fchmod(fd, file_mode())
         try:
             with os.fdopen(fd, "wb") as f:
-                torch.save(obj, f)
+                dump(obj, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)

@@ -16,9 +16,15 @@
   "matching_heuristics": True}`` with Detectron2's ResNet names, for the VOC/COCO detection transfer of
   paper section 4.3 (R50-C4; the keys follow the renaming of MoCo's detection conversion script).
 
-Either way ``out_path + ".json"`` records what the file is: architecture, stem, network, source checkpoint,
+The torchvision and timm formats are written with ``torch.save``, or as safetensors when ``out_path`` ends in
+``.safetensors`` (the Hugging Face / timm convention: ``safetensors.torch.load_file(out_path)`` gives the same
+``state_dict``, and ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=out_path))``
+loads it). Detectron2 reads pickles only, so ``--format detectron2`` refuses a ``.safetensors`` name.
+
+Always, ``out_path + ".json"`` records what the file is: architecture, stem, network, source checkpoint,
 epoch, iteration, obow version, the evaluation view, and what ``fc`` holds. The metadata stays out of the
-``state_dict`` so that torchvision loads the file as it is.
+``state_dict`` so that torchvision loads the file as it is; a safetensors file also carries it in its header
+(``{"format": "pt", "obow": <the sidecar's JSON>}``), so that it describes itself without the sidecar.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from obow.checks import check_choice
 from obow.files import writing
 from obow.notices import ObowWarning
 from obow.weights.checkpoint import save_atomic
-from obow.weights.load import load_backbone
+from obow.weights.load import SAFETENSORS_META_KEY, SAFETENSORS_SUFFIX, load_backbone
 
 FORMATS = ("torchvision", "timm", "detectron2")
 FC_SEED = 0
@@ -89,6 +95,12 @@ def export_backbone(
     if fmt is not None:
         check_choice("format", fmt, FORMATS)
     out_path = Path(out_path)
+    safetensors_path = out_path.suffix == SAFETENSORS_SUFFIX
+    if fmt == "detectron2" and safetensors_path:
+        raise ValueError(
+            "--format detectron2 writes the pickle Detectron2's checkpointer reads (it does not read safetensors): "
+            f"give --out {out_path.with_suffix('.pkl').name}"
+        )
     backbone, info = load_backbone(checkpoint_path, network=network)
     source = parse_arch(backbone.arch)[0]
     fmt = fmt or ("timm" if source == "timm" else "torchvision")
@@ -121,35 +133,61 @@ def export_backbone(
         "views": info["views"],
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
     }
+    meta["container"] = "safetensors" if safetensors_path else "pickle" if fmt == "detectron2" else "torch.save"
+    read = "safetensors.torch.load_file(path)" if safetensors_path else "torch.load(path)"
+    state: dict[str, Tensor] | None = None
     if source != "resnet":
         state, untrained = library_state_dict(backbone)
-        save_atomic(state, out_path)
         name = backbone.arch.partition(":")[2]
         kwargs = "".join(f", {k}={v!r}" for k, v in backbone.options.items())
-        loader = (
-            f"timm.create_model({name!r}{kwargs})"
-            if source == "timm"
-            else f"torchvision.models.get_model({name!r}{kwargs})"
-        )
         meta["arch_options"] = backbone.options
         meta["untrained_keys"] = untrained
-        meta["usage"] = f"model = {loader}; model.load_state_dict(torch.load(path))"
+        if source == "timm" and safetensors_path:  # timm's own way to read a local file, strict as well
+            meta["usage"] = (
+                f"model = timm.create_model({name!r}, pretrained=True, pretrained_cfg_overlay=dict(file=path){kwargs})"
+            )
+        else:
+            loader = (
+                f"timm.create_model({name!r}{kwargs})"
+                if source == "timm"
+                else f"torchvision.models.get_model({name!r}{kwargs})"
+            )
+            meta["usage"] = f"model = {loader}; model.load_state_dict({read})"
     elif fmt == "torchvision":
-        save_atomic(torchvision_state_dict(backbone), out_path)
+        state = torchvision_state_dict(backbone)
         meta["fc"] = FC_NOTE
-        meta["usage"] = f"model = torchvision.models.{backbone.arch}(); model.load_state_dict(torch.load(path))"
+        meta["usage"] = f"model = torchvision.models.{backbone.arch}(); model.load_state_dict({read})"
     else:
-        with writing(out_path), open(out_path, "wb") as f:
-            pickle.dump(detectron2_checkpoint(backbone.state_dict()), f)
         meta["fc"] = "not exported (Detectron2 builds its own heads)"
         meta["detectron2_config"] = detectron2_config(backbone.arch, info["views"])
     note = STEM_NOTES.get(backbone.stem) if source == "resnet" else TIMM_STEM_NOTES.get(backbone.stem)
     if note:
         meta["stem_note"] = note
         warnings.warn(note, ObowWarning, stacklevel=2)
+    if state is None:
+        with writing(out_path), open(out_path, "wb") as f:
+            pickle.dump(detectron2_checkpoint(backbone.state_dict()), f)
+    elif safetensors_path:
+        save_safetensors(state, out_path, meta)
+    else:
+        save_atomic(state, out_path)
     with writing(f"{out_path}.json") as sidecar:
         sidecar.write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def save_safetensors(state: dict[str, Tensor], path: str | Path, meta: dict[str, Any]) -> None:
+    """Write ``state`` as a safetensors file, atomically, with ``meta`` (the sidecar's JSON) in its header.
+
+    Each tensor is copied to its own contiguous CPU storage: safetensors refuses tensors that share storage
+    (tied weights) or are not contiguous (transposed views, channels-last), and each name must load on its own
+    for ``load_state_dict(strict=True)``.
+    """
+    import safetensors.torch
+
+    tensors = {k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format) for k, v in state.items()}
+    header = {"format": "pt", SAFETENSORS_META_KEY: json.dumps(meta)}  # "format": the Hugging Face convention
+    save_atomic(tensors, path, dump=lambda obj, f: f.write(safetensors.torch.save(obj, metadata=header)))
 
 
 def library_state_dict(backbone: torch.nn.Module) -> tuple[dict[str, Tensor], list[str]]:

@@ -6,7 +6,8 @@ A backbone comes from one of three sources:
   ``state_dict``, loaded with ``strict=True`` (the official code loads with ``strict=False`` and an ignored
   message, official notes 5.1, so a key mismatch went unnoticed there);
 * a file written by ``obow export`` (``--format torchvision`` or ``timm``; its ``.json`` sidecar names the
-  architecture, options and stem), or any torchvision ResNet ``state_dict``. Without the sidecar the network is
+  architecture, options and stem, and so does the header of a ``.safetensors`` export, which is read first), or
+  any torchvision ResNet ``state_dict`` (``torch.save`` or safetensors). Without the sidecar the network is
   recognised from the weights (:func:`recognise_weights`): a torchvision ResNet, or a timm ResNet (plain, ``d``,
   ``t`` ...) at any widths, whose ``model.arch_options`` (``channels``, ``stem_width``) are read from the shapes;
   a stem the weights cannot show (a timm stem, ``no_maxpool``) comes from ``--stem``;
@@ -32,6 +33,10 @@ from obow.notices import ObowWarning
 from obow.weights.checkpoint import describe, load_checkpoint, read_torch_file
 
 NETWORKS = ("student", "teacher")
+#: A backbone file named so is read (and written by ``obow export``) as safetensors, any other with torch.
+SAFETENSORS_SUFFIX = ".safetensors"
+#: The safetensors header entry that holds ``obow export``'s metadata (the sidecar's JSON).
+SAFETENSORS_META_KEY = "obow"
 
 
 def load_backbone(
@@ -132,23 +137,15 @@ def _check_expected(arch: str | None, stem: str | None, found_arch: str, found_s
 
 
 def _load_exported(path: Path, arch: str | None, stem: str | None) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Read an ``obow export`` file (``--format torchvision`` or ``timm``), or a torchvision ResNet ``state_dict``."""
-    try:
-        state = read_torch_file(path, "backbone file")
-    except ValueError as err:
-        raise ValueError(
-            f"{err}; give a file written by obow export --format torchvision or timm (a detectron2 export is for "
-            "Detectron2 only)"
-        ) from None
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise ValueError(
-            f"backbone file {str(path)!r} does not hold a state_dict (a mapping of names to tensors): {describe(state)}"
-        )
-    meta_path = Path(f"{path}.json")
+    """Read an ``obow export`` file (``--format torchvision`` or ``timm``, ``torch.save`` or safetensors), or a
+    torchvision ResNet ``state_dict``."""
+    state, meta = read_backbone_file(path)
     what = f"backbone file {str(path)!r}"
-    if not meta_path.is_file():
+    meta_path = Path(f"{path}.json")
+    if meta is None and meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+    if meta is None:
         return _load_without_sidecar(path, state, arch, stem)
-    meta = json.loads(meta_path.read_text())
     if meta.get("arch") and parse_arch(meta["arch"])[0] != "resnet":
         found_arch, found_stem = meta["arch"], meta.get("stem", "torchvision")
         _check_expected(arch, stem, found_arch, found_stem, what)
@@ -172,6 +169,61 @@ def _load_exported(path: Path, arch: str | None, stem: str | None) -> tuple[torc
     backbone = ResNetBackbone(found_arch, found_stem)
     load_weights(backbone, state, what)
     return backbone, _exported_info(path, found_arch, found_stem, {}, meta)
+
+
+def read_backbone_file(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
+    """The ``state_dict`` in an exported backbone file, and the metadata ``obow export`` put in its header
+    (safetensors files only; ``None`` for others, whose metadata is the ``.json`` sidecar). A name ending in
+    ``.safetensors`` is read as safetensors, any other with ``torch.load``; a file that cannot be read, or holds
+    something else than tensors, raises a one-line ``ValueError``."""
+    path = Path(path)
+    if path.suffix == SAFETENSORS_SUFFIX:
+        return _read_safetensors(path)
+    try:
+        state = read_torch_file(path, "backbone file")
+    except ValueError as err:
+        raise ValueError(
+            f"{err}; give a file written by obow export --format torchvision or timm (a detectron2 export is for "
+            "Detectron2 only)"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise ValueError(
+            f"backbone file {str(path)!r} does not hold a state_dict (a mapping of names to tensors): {describe(state)}"
+        )
+    return state, None
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
+    import safetensors
+
+    if not path.is_file():
+        raise ValueError(f"backbone file {str(path)!r} does not exist")
+    try:
+        with safetensors.safe_open(path, framework="pt", device="cpu") as f:
+            header = f.metadata() or {}
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as err:  # noqa: BLE001 - safetensors' own error, or the OSError of the read: one line
+        if path.stat().st_size == 0:
+            why = "the file is empty"
+        elif isinstance(err, OSError):
+            why = err.strerror or str(err)
+        else:
+            detail = str(err).splitlines()[0].removeprefix("Error while deserializing header: ")
+            why = f"it is not a safetensors file, or it is damaged or cut short ({detail})"
+        raise ValueError(f"cannot read backbone file {str(path)!r}: {why}") from None
+    text = header.get(SAFETENSORS_META_KEY)
+    if text is None:  # safetensors from elsewhere (a Hugging Face download): the sidecar, or the weights, tell
+        return state, None
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError:
+        meta = None
+    if not isinstance(meta, dict):
+        raise ValueError(
+            f"backbone file {str(path)!r}: its header's {SAFETENSORS_META_KEY!r} entry is not the JSON object "
+            "obow export writes"
+        )
+    return state, meta
 
 
 def _exported_info(path: Path, arch: str, stem: str, options: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:

@@ -224,14 +224,13 @@ def test_safetensors_timm_export_loads_with_timms_pretrained_file(tmp_path, make
     assert meta["format"] == "timm" and meta["container"] == "safetensors"
     assert "pretrained_cfg_overlay=dict(file=path)" in meta["usage"]
     name = arch.partition(":")[2]
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
     # the sidecar's usage line: the whole model, classifier included, so timm loads it strictly
     scope = {"timm": timm, "path": str(out)}
-    exec(meta["usage"].replace("[", "(").replace("]", ")"), scope)  # timm takes tuples for channels
+    exec(meta["usage"], scope)
     with_head = scope["model"]
     # the usual way to take features: no classifier (timm drops the head's weights)
     headless = timm.create_model(
-        name, pretrained=True, pretrained_cfg_overlay=dict(file=str(out)), num_classes=0, **kwargs
+        name, pretrained=True, pretrained_cfg_overlay=dict(file=str(out)), num_classes=0, **options
     )
     with_head.reset_classifier(0)
     student, _ = load_backbone(ckpt)

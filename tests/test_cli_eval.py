@@ -154,7 +154,7 @@ def test_exported_backbone_evaluates_like_its_checkpoint(setup, tmp_path):
     exported = tmp_path / "backbone.pth"
     run("export", "--checkpoint", ckpt, "--out", exported, "--network", "teacher")
     assert run("eval", "knn", "--backbone", exported, "--k", 5, "--data", data, *FAST) == 0
-    from_file = json.loads((tmp_path / "eval" / "knn_backbone.json").read_text())
+    from_file = json.loads((tmp_path / "eval" / "knn_backbone-backbone.json").read_text())
     out = tmp_path / "from_ckpt.json"
     run("eval", "knn", "--checkpoint", ckpt, "--network", "teacher", "--k", 5, "--data", data, "--out", out, *FAST)
     assert from_file["results"] == json.loads(out.read_text())["results"]
@@ -163,7 +163,7 @@ def test_exported_backbone_evaluates_like_its_checkpoint(setup, tmp_path):
 
 def test_an_export_beside_its_checkpoint_gets_its_own_report(setup, tmp_path):
     """``obow export --out runs/x/backbone.pth`` puts the export in the checkpoint's folder: its default report
-    is ``eval/knn_backbone.json`` and leaves the checkpoint's ``eval/knn.json`` as it was."""
+    is ``eval/knn_backbone-backbone.json`` and leaves the checkpoint's ``eval/knn.json`` as it was."""
     data, ckpt = setup
     run_dir = tmp_path / "run"
     shutil.copytree(ckpt.parent, run_dir, ignore=shutil.ignore_patterns("eval"))
@@ -172,8 +172,26 @@ def test_an_export_beside_its_checkpoint_gets_its_own_report(setup, tmp_path):
     run("export", "--checkpoint", run_dir / "checkpoint.pt", "--out", run_dir / "backbone.pth")
     assert run("eval", "knn", "--backbone", run_dir / "backbone.pth", "--k", 7, "--data", data, *FAST) == 0
     assert (run_dir / "eval" / "knn.json").read_text() == checkpoint_report  # not overwritten
-    report = json.loads((run_dir / "eval" / "knn_backbone.json").read_text())
+    report = json.loads((run_dir / "eval" / "knn_backbone-backbone.json").read_text())
     assert report["source"]["kind"] == "exported" and report["settings"]["k"] == [7]
+
+
+def test_exports_named_like_the_checkpoints_reports_leave_them_as_they_were(setup, tmp_path):
+    """Exports named ``teacher.pth`` and ``random_init.pth`` beside their checkpoint write reports of their own:
+    the teacher's report and the random-init baseline (``knn_teacher.json``, ``knn_random_init.json``) stay."""
+    data, ckpt = setup
+    run_dir = tmp_path / "run"
+    shutil.copytree(ckpt.parent, run_dir, ignore=shutil.ignore_patterns("eval"))
+    checkpoint = run_dir / "checkpoint.pt"
+    assert run("eval", "knn", "--checkpoint", checkpoint, "--network", "teacher", "--k", 5, "--data", data, *FAST) == 0
+    assert run("eval", "knn", "--checkpoint", checkpoint, "--random-init", "--k", 5, "--data", data, *FAST) == 0
+    before = {name: (run_dir / "eval" / name).read_text() for name in ("knn_teacher.json", "knn_random_init.json")}
+    for stem in ("teacher", "random_init"):
+        run("export", "--checkpoint", checkpoint, "--out", run_dir / f"{stem}.pth")
+        assert run("eval", "knn", "--backbone", run_dir / f"{stem}.pth", "--k", 7, "--data", data, *FAST) == 0
+        assert {name: (run_dir / "eval" / name).read_text() for name in before} == before
+        report = json.loads((run_dir / "eval" / f"knn_backbone-{stem}.json").read_text())
+        assert report["source"]["kind"] == "exported" and report["settings"]["k"] == [7]
 
 
 def test_folder_without_class_folders_is_refused(setup, tmp_path, noise_images):

@@ -14,7 +14,7 @@ ImageNet validation images, appendix "Evaluation protocols in Section 4.1") unle
 ``trainval``, mAP on ``test`` (:mod:`obow.evaluate.svm`).
 Each command prints a small table and writes a JSON report (default ``<checkpoint dir>/eval/<protocol>.json``,
 ``<protocol>_teacher.json`` for ``--network teacher``, ``<protocol>_random_init.json`` for ``--random-init`` of a
-checkpoint's network, ``<backbone dir>/eval/<protocol>_<backbone file stem>.json`` for ``--backbone``;
+checkpoint's network, ``<backbone dir>/eval/<protocol>_backbone-<backbone file stem>.json`` for ``--backbone``;
 ``runs/eval/random_init_<arch>_<stem>/<protocol>.json`` for ``--random-init`` without a checkpoint).
 """
 
@@ -140,8 +140,8 @@ def _common_options(data_help: str) -> argparse.ArgumentParser:
     run.add_argument(
         "--out",
         help="JSON report (default <checkpoint dir>/eval/<protocol>.json (_teacher, _random_init: their own), "
-        "<backbone dir>/eval/<protocol>_<backbone file stem>.json for --backbone, or for --random-init without a "
-        "checkpoint runs/eval/random_init_<arch>_<stem>/<protocol>.json)",
+        "<backbone dir>/eval/<protocol>_backbone-<backbone file stem>.json for --backbone, or for --random-init "
+        "without a checkpoint runs/eval/random_init_<arch>_<stem>/<protocol>.json)",
     )
     run.add_argument(
         "--size",
@@ -515,12 +515,13 @@ class _Run:
 def report_name(protocol: str, info: dict[str, Any]) -> str:
     """The default report's name in ``<dir>/eval/``, one per source so that none overwrites another:
     ``<protocol>`` for a checkpoint's student, ``<protocol>_teacher`` for its teacher, ``<protocol>_random_init``
-    for a random initialisation of its network, ``<protocol>_<file stem>`` for an exported backbone file (an
-    export usually lies in its checkpoint's folder)."""
+    for a random initialisation of its network, ``<protocol>_backbone-<file stem>`` for an exported backbone file
+    (an export usually lies in its checkpoint's folder; the ``backbone-`` prefix keeps an export named
+    ``teacher.pth`` or ``random_init.pth`` off the checkpoint's own reports)."""
     if info["kind"] == "random_init":
         return f"{protocol}_random_init"
     if info["kind"] == "exported":
-        return f"{protocol}_{Path(info['path']).stem}"
+        return f"{protocol}_backbone-{Path(info['path']).stem}"
     return f"{protocol}_teacher" if info["network"] == "teacher" else protocol
 
 

@@ -136,6 +136,36 @@ def test_random_init_baseline_needs_an_architecture_and_records_the_seed(setup, 
         run("eval", "knn", "--random-init", "--data", data, "--out", out, *FAST)
 
 
+def test_with_random_init_evaluates_the_checkpoint_then_its_network_untrained(setup, tmp_path, capsys):
+    """``--with-random-init``: the checkpoint's table, then the same network at its random initialisation (same
+    seed, view and data), each in its own report; the baseline equals ``--random-init`` of the checkpoint."""
+    data, ckpt = setup
+    run_dir = tmp_path / "run"
+    shutil.copytree(ckpt.parent, run_dir, ignore=shutil.ignore_patterns("eval"))
+    checkpoint = run_dir / "checkpoint.pt"
+    argv = ("eval", "knn", "--checkpoint", checkpoint, "--k", 5, "--seed", 3, "--data", data, *FAST)
+    assert run(*argv, "--with-random-init") == 0
+    out = capsys.readouterr().out
+    trained = json.loads((run_dir / "eval" / "knn.json").read_text())
+    baseline = json.loads((run_dir / "eval" / "knn_random_init.json").read_text())
+    assert (trained["source"]["kind"], baseline["source"]["kind"], baseline["source"]["seed"]) == (
+        "checkpoint", "random_init", 3
+    )  # fmt: skip
+    assert baseline["settings"]["view"] == trained["settings"]["view"]
+    assert baseline["settings"]["view_source"] == "the checkpoint's recipe (its network, untrained)"
+    assert out.index("epoch 3") < out.index("random init (seed 3)")
+    assert out.count("wrote ") == 2
+    reference = tmp_path / "reference.json"
+    assert run("eval", "knn", "--checkpoint", checkpoint, "--random-init", "--k", 5, "--seed", 3, "--data", data,
+               "--out", reference, *FAST) == 0  # fmt: skip
+    assert baseline["results"] == json.loads(reference.read_text())["results"]
+    assert run(*argv, "--with-random-init", "--out", tmp_path / "mine.json") == 0
+    assert json.loads((tmp_path / "mine_random_init.json").read_text())["results"] == baseline["results"]
+    assert json.loads((tmp_path / "mine.json").read_text())["results"] == trained["results"]
+    with pytest.raises(ValueError, match="--with-random-init evaluates a --checkpoint's network"):
+        run("eval", "knn", "--random-init", "--arch", "resnet18", "--with-random-init", "--data", data, *FAST)
+
+
 def test_architecture_mismatches_are_named(setup, tmp_path, capsys):
     data, ckpt = setup
     with pytest.raises(ValueError, match="holds a resnet18 backbone.*resnet50 was requested"):

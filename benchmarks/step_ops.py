@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import sys
 from pathlib import Path
@@ -32,11 +33,27 @@ import torch
 from throughput import benchmark_config, build, step
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import obow
+
 
 def is_alias(func: Any) -> bool:
     """Whether an operator only returns a view of (or writes nothing new beside) its input: no kernel."""
     returns = func._schema.returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+OBOW = Path(obow.__file__).resolve().parent
+
+
+@functools.cache
+def obow_module(filename: str) -> str | None:
+    """The obow module (``bow.targets``) whose source ``filename`` is, ``None`` for any other file: judged by the
+    package's own folder, not by ``/obow/`` in the path, which also holds torch's files when the clone is a folder
+    named ``obow`` with its venv inside."""
+    path = Path(filename).resolve()
+    if not path.is_relative_to(OBOW):
+        return None
+    return ".".join(path.relative_to(OBOW).with_suffix("").parts)
 
 
 def call_site() -> str:
@@ -49,8 +66,8 @@ def call_site() -> str:
             return "backward"
         if "/torch/optim/" in name:
             return "optimizer"
-        if "/obow/" in name:
-            module = name.rsplit("/obow/", 1)[1].removesuffix(".py").replace("/", ".")
+        module = obow_module(frame.f_code.co_filename)
+        if module is not None:
             return f"{module}:{frame.f_code.co_name}"
         frame = frame.f_back
     return "other"

@@ -256,3 +256,21 @@ def test_step_ops_counts_each_steps_operations_by_call_site(throughput, tmp_path
     assert views["total"] > 0 and views["host"] > 0
     assert all(site.startswith("data.batched_views") for site in views["sites"])
     assert json.loads((tmp_path / "ops.json").read_text())["step (unlogged)"]["total"] == unlogged["total"]
+
+
+def test_step_ops_charges_operations_to_obows_files_when_torch_lives_under_a_folder_named_obow(throughput, tmp_path):
+    """A clone in a folder named ``obow`` with its venv inside puts torch's files under ``obow/.venv/``: an
+    operation that torch issues there, called from obow's ``bow/targets.py``, is charged to obow's function, not
+    to the torch file whose path holds ``/obow/``."""
+    import obow
+
+    step_ops = load_script("step_ops")
+    torch_file = tmp_path / "obow" / ".venv" / "lib" / "python3.11" / "site-packages" / "torch" / "nn" / "functional.py"
+    obow_file = Path(obow.__file__).resolve().parent / "bow" / "targets.py"
+    scope = {"torch": torch}
+    exec(compile("def linear(x):\n    return torch.add(x, 1)\n", str(torch_file), "exec"), scope)
+    exec(compile("def kl_to_mean_bow(x):\n    return linear(x) * 2\n", str(obow_file), "exec"), scope)
+    x = torch.zeros(3)
+    counter = step_ops.count(lambda: scope["kl_to_mean_bow"](x))
+    assert counter.sites == {"bow.targets:kl_to_mean_bow": 2}
+    assert counter.operators == {"add": 1, "mul": 1}

@@ -136,6 +136,36 @@ def test_random_init_baseline_needs_an_architecture_and_records_the_seed(setup, 
         run("eval", "knn", "--random-init", "--data", data, "--out", out, *FAST)
 
 
+def test_with_random_init_evaluates_the_checkpoint_then_its_network_untrained(setup, tmp_path, capsys):
+    """``--with-random-init``: the checkpoint's table, then the same network at its random initialisation (same
+    seed, view and data), each in its own report; the baseline equals ``--random-init`` of the checkpoint."""
+    data, ckpt = setup
+    run_dir = tmp_path / "run"
+    shutil.copytree(ckpt.parent, run_dir, ignore=shutil.ignore_patterns("eval"))
+    checkpoint = run_dir / "checkpoint.pt"
+    argv = ("eval", "knn", "--checkpoint", checkpoint, "--k", 5, "--seed", 3, "--data", data, *FAST)
+    assert run(*argv, "--with-random-init") == 0
+    out = capsys.readouterr().out
+    trained = json.loads((run_dir / "eval" / "knn.json").read_text())
+    baseline = json.loads((run_dir / "eval" / "knn_random_init.json").read_text())
+    assert (trained["source"]["kind"], baseline["source"]["kind"], baseline["source"]["seed"]) == (
+        "checkpoint", "random_init", 3
+    )  # fmt: skip
+    assert baseline["settings"]["view"] == trained["settings"]["view"]
+    assert baseline["settings"]["view_source"] == "the checkpoint's recipe (its network, untrained)"
+    assert out.index("epoch 3") < out.index("random init (seed 3)")
+    assert out.count("wrote ") == 2
+    reference = tmp_path / "reference.json"
+    assert run("eval", "knn", "--checkpoint", checkpoint, "--random-init", "--k", 5, "--seed", 3, "--data", data,
+               "--out", reference, *FAST) == 0  # fmt: skip
+    assert baseline["results"] == json.loads(reference.read_text())["results"]
+    assert run(*argv, "--with-random-init", "--out", tmp_path / "mine.json") == 0
+    assert json.loads((tmp_path / "mine_random_init.json").read_text())["results"] == baseline["results"]
+    assert json.loads((tmp_path / "mine.json").read_text())["results"] == trained["results"]
+    with pytest.raises(ValueError, match="--with-random-init evaluates a --checkpoint's network"):
+        run("eval", "knn", "--random-init", "--arch", "resnet18", "--with-random-init", "--data", data, *FAST)
+
+
 def test_architecture_mismatches_are_named(setup, tmp_path, capsys):
     data, ckpt = setup
     with pytest.raises(ValueError, match="holds a resnet18 backbone.*resnet50 was requested"):
@@ -154,7 +184,7 @@ def test_exported_backbone_evaluates_like_its_checkpoint(setup, tmp_path):
     exported = tmp_path / "backbone.pth"
     run("export", "--checkpoint", ckpt, "--out", exported, "--network", "teacher")
     assert run("eval", "knn", "--backbone", exported, "--k", 5, "--data", data, *FAST) == 0
-    from_file = json.loads((tmp_path / "eval" / "knn_backbone.json").read_text())
+    from_file = json.loads((tmp_path / "eval" / "knn_backbone-backbone.json").read_text())
     out = tmp_path / "from_ckpt.json"
     run("eval", "knn", "--checkpoint", ckpt, "--network", "teacher", "--k", 5, "--data", data, "--out", out, *FAST)
     assert from_file["results"] == json.loads(out.read_text())["results"]
@@ -163,7 +193,7 @@ def test_exported_backbone_evaluates_like_its_checkpoint(setup, tmp_path):
 
 def test_an_export_beside_its_checkpoint_gets_its_own_report(setup, tmp_path):
     """``obow export --out runs/x/backbone.pth`` puts the export in the checkpoint's folder: its default report
-    is ``eval/knn_backbone.json`` and leaves the checkpoint's ``eval/knn.json`` as it was."""
+    is ``eval/knn_backbone-backbone.json`` and leaves the checkpoint's ``eval/knn.json`` as it was."""
     data, ckpt = setup
     run_dir = tmp_path / "run"
     shutil.copytree(ckpt.parent, run_dir, ignore=shutil.ignore_patterns("eval"))
@@ -172,8 +202,26 @@ def test_an_export_beside_its_checkpoint_gets_its_own_report(setup, tmp_path):
     run("export", "--checkpoint", run_dir / "checkpoint.pt", "--out", run_dir / "backbone.pth")
     assert run("eval", "knn", "--backbone", run_dir / "backbone.pth", "--k", 7, "--data", data, *FAST) == 0
     assert (run_dir / "eval" / "knn.json").read_text() == checkpoint_report  # not overwritten
-    report = json.loads((run_dir / "eval" / "knn_backbone.json").read_text())
+    report = json.loads((run_dir / "eval" / "knn_backbone-backbone.json").read_text())
     assert report["source"]["kind"] == "exported" and report["settings"]["k"] == [7]
+
+
+def test_exports_named_like_the_checkpoints_reports_leave_them_as_they_were(setup, tmp_path):
+    """Exports named ``teacher.pth`` and ``random_init.pth`` beside their checkpoint write reports of their own:
+    the teacher's report and the random-init baseline (``knn_teacher.json``, ``knn_random_init.json``) stay."""
+    data, ckpt = setup
+    run_dir = tmp_path / "run"
+    shutil.copytree(ckpt.parent, run_dir, ignore=shutil.ignore_patterns("eval"))
+    checkpoint = run_dir / "checkpoint.pt"
+    assert run("eval", "knn", "--checkpoint", checkpoint, "--network", "teacher", "--k", 5, "--data", data, *FAST) == 0
+    assert run("eval", "knn", "--checkpoint", checkpoint, "--random-init", "--k", 5, "--data", data, *FAST) == 0
+    before = {name: (run_dir / "eval" / name).read_text() for name in ("knn_teacher.json", "knn_random_init.json")}
+    for stem in ("teacher", "random_init"):
+        run("export", "--checkpoint", checkpoint, "--out", run_dir / f"{stem}.pth")
+        assert run("eval", "knn", "--backbone", run_dir / f"{stem}.pth", "--k", 7, "--data", data, *FAST) == 0
+        assert {name: (run_dir / "eval" / name).read_text() for name in before} == before
+        report = json.loads((run_dir / "eval" / f"knn_backbone-{stem}.json").read_text())
+        assert report["source"]["kind"] == "exported" and report["settings"]["k"] == [7]
 
 
 def test_folder_without_class_folders_is_refused(setup, tmp_path, noise_images):

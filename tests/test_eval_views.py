@@ -69,7 +69,7 @@ def test_random_init_takes_network_and_view_from_a_recipe(tmp_path):
     views = load_config("cifar10_fast").views
     view = report["settings"]["view"]
     assert (view["teacher_resize"], view["teacher_size"]) == (views.teacher_resize, views.teacher_size)
-    assert report["settings"]["view_source"] == "the recipe the weights were trained with"
+    assert report["settings"]["view_source"] == "recipe cifar10_fast (its network, untrained)"
 
 
 def test_config_is_only_for_a_random_init(tmp_path, capsys):

@@ -7,6 +7,7 @@ kind this file does not know fails the suite, so a new README command gets a che
 
 import argparse
 import ast
+import json
 import os
 import re
 import shlex
@@ -198,16 +199,15 @@ def own_images_flow() -> list[list[str]]:
 
 
 def test_the_own_images_flow_runs_on_tiny_images(tmp_path, monkeypatch, write_images, obow_cli):
-    """Pretrain (with :data:`TINY` appended), evaluate, the random-init baseline, export, and the feature
-    extraction example, as the README writes them, in a folder where ``my_images`` holds 24 training and 6
-    validation images; then ``obow recipes`` and ``obow recipes cifar10_fast`` as written."""
+    """Pretrain (with :data:`TINY` appended), evaluate beside the random-init baseline (``--with-random-init``),
+    export, and the feature extraction example, as the README writes them, in a folder where ``my_images`` holds
+    24 training and 6 validation images; then ``obow recipes`` and ``obow recipes cifar10_fast`` as written."""
     write_images(tmp_path / IMAGES / "train", per_class=12, classes=2, size=32, seed=0)
     write_images(tmp_path / IMAGES / "val", per_class=3, classes=2, size=32, seed=1)
     monkeypatch.chdir(tmp_path)
     flow = own_images_flow()
     assert [obow_args(c)[:2] for c in flow if kind(c) == "obow"] == [
         ["pretrain", "--config"],
-        ["eval", "knn"],
         ["eval", "knn"],
         ["export", "--checkpoint"],
     ]
@@ -225,6 +225,7 @@ def test_the_own_images_flow_runs_on_tiny_images(tmp_path, monkeypatch, write_im
             outputs.append(done.stdout)
     run = tmp_path / RUN
     assert (run / "checkpoint.pt").is_file() and (run / "eval" / "knn.json").is_file()
+    assert json.loads((run / "eval" / "knn_random_init.json").read_text())["source"]["kind"] == "random_init"
     assert (run / "backbone.pth").is_file() and (run / "backbone.pth.json").is_file()
     assert "logistic regression on the pretrained features" in outputs[-1]
     assert "6 test images" in outputs[-1]

@@ -75,6 +75,28 @@ def test_random_init_without_checkpoint_writes_a_default_report(tmp_path, monkey
     assert data["source"]["kind"] == "random_init" and data["results"]["knn"][0]["k_used"] == 3
 
 
+def test_random_init_of_a_recipe_reports_in_a_folder_named_after_it(tmp_path, monkeypatch, noise_images, obow_cli):
+    """``--random-init --config cifar10_fast``: the report lands in ``runs/eval/random_init_cifar10_fast/`` (no
+    ``:`` of ``timm:resnet18`` in a folder name; another recipe of the same arch gets its own folder), and its
+    header does not say that the weights were trained with the recipe's view."""
+    for seed, folder in enumerate(("train/a", "train/b", "val/a", "val/b")):
+        noise_images(tmp_path / "data" / folder, 3, seed=seed)
+    monkeypatch.chdir(tmp_path)
+    argv = ["eval", "knn", "--random-init", "--config", "cifar10_fast", "--data", "data", "--k", "3"]
+    out = obow_cli(*argv, "--workers", "0", "--device", "cpu").out
+    report = Path("runs") / "eval" / "random_init_cifar10_fast" / "knn.json"
+    assert f"wrote {report}" in out and "trained with" not in out
+    assert "(recipe cifar10_fast (its network, untrained))" in out.splitlines()[0]
+    assert json.loads(report.read_text())["source"]["arch"] == "timm:resnet18"
+    assert [p.name for p in (tmp_path / "runs" / "eval").iterdir()] == ["random_init_cifar10_fast"]
+
+
+def test_folder_names_are_made_of_safe_characters():
+    assert cli_eval.safe_name("timm:resnet18_cifar") == "timm-resnet18_cifar"
+    assert cli_eval.safe_name("torchvision:resnet50 x/2") == "torchvision-resnet50-x-2"
+    assert cli_eval.safe_name("resnet18_cifar.v1-a") == "resnet18_cifar.v1-a"
+
+
 def test_overrides_anywhere_on_the_line():
     parser = cli.build_parser()
     argv = ["pretrain", "--out", "X", "optim.lr=1", "--config", "R", "--data", "D", "model.num_words=8"]

@@ -40,7 +40,7 @@ from obow.training.state import (
     handle_signals,
     set_rng_state,
 )
-from obow.weights.checkpoint import load_checkpoint, save_atomic
+from obow.weights.checkpoint import load_checkpoint, previous_path, save_atomic
 
 V1_CHECKPOINT = Path(__file__).parent / "data" / "v1_run" / "checkpoint_epoch1.pt"
 
@@ -769,3 +769,75 @@ def test_wrong_files_are_named_in_one_line(tmp_path, capsys):
         assert err.count("\n") == 1 and words in err and "Weights only load failed" not in err, err
     with pytest.raises(ValueError, match="does not exist"):
         load_checkpoint(tmp_path / "missing.pt")
+
+
+def cut_short(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_each_checkpoint_write_keeps_the_one_before_it(tmp_path, monkeypatch):
+    """``save_atomic(keep_previous=True)``: ``checkpoint.prev.pt`` holds what ``checkpoint.pt`` held before the
+    write, as a hard link or, where the file system refuses links, as a copy; no temporary file is left."""
+    path = tmp_path / "checkpoint.pt"
+    save_atomic({"iteration": 1}, path, keep_previous=True)
+    assert not previous_path(path).exists()
+    save_atomic({"iteration": 2}, path, keep_previous=True)
+    monkeypatch.setattr(os, "link", lambda *args: (_ for _ in ()).throw(OSError(errno.EPERM, "no links here")))
+    save_atomic({"iteration": 3}, path, keep_previous=True)
+    assert previous_path(path) == tmp_path / "checkpoint.prev.pt"
+    assert torch.load(path)["iteration"] == 3 and torch.load(previous_path(path))["iteration"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.prev.pt", "checkpoint.pt"]
+
+
+def test_a_damaged_checkpoint_resumes_from_the_previous_one_and_ends_as_the_whole_run(tiny_run, tmp_path, obow_cli):
+    """``checkpoint.pt`` cut short: the same command resumes from ``checkpoint.prev.pt`` (the first epoch's end),
+    says so in one line, and ends with every tensor and record of the uninterrupted run's checkpoint."""
+    out = tiny_run.copy(tmp_path / "run")
+    whole = load_checkpoint(out / "checkpoint.pt")
+    assert (whole["iteration"], load_checkpoint(out / "checkpoint.prev.pt")["iteration"]) == (6, 3)
+    cut_short(out / "checkpoint.pt")
+    args = [*tiny_run.args[: tiny_run.args.index("--out")], "--out", out, "optim.epochs=2"]
+    err = obow_cli(*args).err
+    notes = [line for line in err.splitlines() if "previous checkpoint" in line]
+    assert len(notes) == 1, err
+    assert notes[0].startswith(f"WARNING {out / 'checkpoint.pt'} cannot be read (the file is damaged or cut short (")
+    assert notes[0].endswith(f"): resuming from the previous checkpoint {out / 'checkpoint.prev.pt'}, iteration 3")
+    assert f"Resuming {out} from iteration 3 of 6" in err
+    done = load_checkpoint(out / "checkpoint.pt")
+    a, b = leaves(done), leaves(whole)
+    assert a.keys() == b.keys()
+    different = [k for k in a if not k.endswith(MAY_DIFFER) and not same_leaf(a[k], b[k])]
+    assert not different, different[:5]
+    assert sum(isinstance(v, torch.Tensor) for v in a.values()) > 100
+    assert load_checkpoint(out / "checkpoint.prev.pt")["iteration"] == 3  # the damaged file was not kept
+
+
+def same_leaf(a: object, b: object) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_when_no_checkpoint_reads_resume_eval_and_export_say_what_to_do_in_one_line(tiny_run, tmp_path, obow_cli):
+    """Both checkpoints damaged: pretrain stops with one line naming both and what to do (exit 2); without a
+    previous copy, the line says none is kept. eval and export of a damaged checkpoint name the previous one."""
+    out = tiny_run.copy(tmp_path / "run")
+    latest, previous = out / "checkpoint.pt", out / "checkpoint.prev.pt"
+    cut_short(latest)
+    for command in (["eval", "knn", "--data", tiny_run.data, "--workers", 0], ["export", "--out", tmp_path / "b.pth"]):
+        result = obow_cli(*command, "--checkpoint", latest, check=False)
+        assert result.code == 2
+        line = one_error_line(result.err)
+        assert f"cannot read checkpoint '{latest}': the file is damaged or cut short" in line
+        assert line.endswith(f"; the run's previous checkpoint is '{previous}'"), line
+    cut_short(previous)
+    args = [*tiny_run.args[: tiny_run.args.index("--out")], "--out", out, "optim.epochs=2"]
+    result = obow_cli(*args, check=False)
+    assert result.code == 2
+    line = one_error_line(result.err)
+    assert line.startswith(f"obow: error: cannot resume the run in {out}: checkpoint.pt: the file is damaged or cut ")
+    assert "; checkpoint.prev.pt: the file is damaged or cut short (" in line
+    assert line.endswith(
+        f". Start the run again with another --out, or delete {out} to start it over in the same folder"
+    )
+    previous.unlink()
+    result = obow_cli(*args, check=False)
+    assert result.code == 2 and "; no previous copy (checkpoint.prev.pt) is kept. Start" in one_error_line(result.err)

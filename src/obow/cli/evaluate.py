@@ -6,6 +6,7 @@
     obow eval finetune --checkpoint runs/x/checkpoint.pt --data DIR [--fraction 0.01|0.1]
     obow eval svm      --checkpoint runs/x/checkpoint.pt --data VOCdevkit/VOC2007 [--costs 0.05 0.1 ...]
     obow eval knn --random-init --arch resnet18 --data DIR --out random.json     # the baseline
+    obow eval knn --checkpoint runs/x/checkpoint.pt --data DIR --with-random-init  # both, one after the other
 
 ``DIR`` holds ``train/`` and ``val/`` (or ``test/``) class folders. kNN, linear and fine-tuning train on
 ``train/`` and test on ``val/``; few-shot episodes are drawn from ``val/`` (the paper draws them from the
@@ -14,16 +15,20 @@ ImageNet validation images, appendix "Evaluation protocols in Section 4.1") unle
 ``trainval``, mAP on ``test`` (:mod:`obow.evaluate.svm`).
 Each command prints a small table and writes a JSON report (default ``<checkpoint dir>/eval/<protocol>.json``,
 ``<protocol>_teacher.json`` for ``--network teacher``, ``<protocol>_random_init.json`` for ``--random-init`` of a
-checkpoint's network, ``<backbone dir>/eval/<protocol>_<backbone file stem>.json`` for ``--backbone``;
-``runs/eval/random_init_<arch>_<stem>/<protocol>.json`` for ``--random-init`` without a checkpoint).
+checkpoint's network, ``<backbone dir>/eval/<protocol>_backbone-<backbone file stem>.json`` for ``--backbone``;
+``runs/eval/random_init_<recipe or arch_stem>/<protocol>.json`` for ``--random-init`` without a checkpoint, its
+name made of letters, digits, ``.``, ``_`` and ``-`` only). ``--with-random-init`` evaluates the checkpoint's
+network at its random initialisation (same seed, view and data) after the checkpoint, into its own report.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +66,7 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p = protocols.add_parser("knn", parents=[common], help="weighted kNN on frozen pool5 features")
     p.add_argument("--k", type=positive_int, nargs="+", help="neighbours (default: both 200 and 20)")
     p.add_argument("--temperature", type=positive_float, default=DEFAULT_TEMPERATURE, help="default 0.1")
-    p.set_defaults(func=run_knn)
+    p.set_defaults(func=with_baseline(run_knn))
 
     p = protocols.add_parser("linear", parents=[common], help="linear probe on pre-cached features (sec. 4.1)")
     p.add_argument("--preset", choices=LINEAR_PRESET_NAMES, help="default: resnet18 for resnet18/34, else resnet50")
@@ -72,7 +77,7 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument(
         "--batch-norm", action="store_true", help="a non-affine batch norm before the linear layer (scale-free)"
     )
-    p.set_defaults(func=run_linear)
+    p.set_defaults(func=with_baseline(run_linear))
 
     p = protocols.add_parser("fewshot", parents=[common], help="N-way K-shot prototype episodes (sec. 4.1)")
     p.add_argument("--ways", type=positive_int, help="classes per episode (default min(50, classes))")
@@ -80,7 +85,7 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--queries", type=positive_int, default=1, help="query images per class (default 1)")
     p.add_argument("--episodes", type=positive_int, default=200, help="default 200")
     p.add_argument("--split", choices=("val", "train"), default="val", help="where episodes come from (val)")
-    p.set_defaults(func=run_fewshot)
+    p.set_defaults(func=with_baseline(run_fewshot))
 
     p = protocols.add_parser("finetune", parents=[common], help="semi-supervised fine-tuning (sec. 4.3)")
     p.add_argument("--fraction", type=float, choices=tuple(FRACTIONS), default=0.01, help="0.01 or 0.1")
@@ -90,7 +95,7 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--milestones", type=positive_int, nargs="*", help="override the decay epochs")
     p.add_argument("--gamma", type=positive_float, help="override the decay factor (0.2)")
     p.add_argument("--wd", type=float, help="override the weight decay (0)")
-    p.set_defaults(func=run_finetune)
+    p.set_defaults(func=with_baseline(run_finetune))
 
     p = protocols.add_parser(
         "svm", parents=[_common_options(VOC_HELP)], help="VOC07 classification: linear SVMs per class, mAP (Table 6)"
@@ -98,7 +103,7 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--train-split", default="trainval", help="the split the SVMs learn from (trainval)")
     p.add_argument("--test-split", default="test", help="the split they are scored on (test)")
     p.add_argument("--costs", type=positive_float, nargs="+", help="SVM costs to cross-validate (the authors')")
-    p.set_defaults(func=run_svm)
+    p.set_defaults(func=with_baseline(run_svm))
     return parser
 
 
@@ -122,6 +127,12 @@ def _common_options(data_help: str) -> argparse.ArgumentParser:
     )
     src.add_argument("--random-init", action="store_true", help="a randomly initialised network (the baseline)")
     src.add_argument(
+        "--with-random-init",
+        action="store_true",
+        help="with --checkpoint: then the same network at its random initialisation (same seed, view and data), "
+        "its table below and its own report (<protocol>_random_init.json)",
+    )
+    src.add_argument(
         "--arch",
         help="architecture for --random-init without a checkpoint, or of a --backbone file without its FILE.json "
         "(resnet18, timm:NAME, torchvision:NAME)",
@@ -140,8 +151,8 @@ def _common_options(data_help: str) -> argparse.ArgumentParser:
     run.add_argument(
         "--out",
         help="JSON report (default <checkpoint dir>/eval/<protocol>.json (_teacher, _random_init: their own), "
-        "<backbone dir>/eval/<protocol>_<backbone file stem>.json for --backbone, or for --random-init without a "
-        "checkpoint runs/eval/random_init_<arch>_<stem>/<protocol>.json)",
+        "<backbone dir>/eval/<protocol>_backbone-<backbone file stem>.json for --backbone, or for --random-init "
+        "without a checkpoint runs/eval/random_init_<recipe, or arch_stem>/<protocol>.json)",
     )
     run.add_argument(
         "--size",
@@ -162,6 +173,32 @@ def _common_options(data_help: str) -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------------------------- protocols
+
+
+def with_baseline(runner: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``runner``, and with ``--with-random-init`` the same protocol again on the checkpoint's network at its
+    random initialisation, into its own report (``<protocol>_random_init.json``, or beside ``--out``)."""
+
+    @functools.wraps(runner)
+    def run(args: argparse.Namespace) -> int:
+        if not args.with_random_init:
+            return runner(args)
+        if args.checkpoint is None or args.random_init:
+            raise ValueError(
+                "--with-random-init evaluates a --checkpoint's network and then the same network at its random "
+                "initialisation; give --checkpoint (and not --random-init)"
+            )
+        baseline_out = None
+        if args.out:  # beside the checkpoint's report, not over it
+            out = Path(args.out)
+            baseline_out = str(out.with_name(f"{out.stem}_random_init{out.suffix or '.json'}"))
+        code = runner(args)
+        if code:
+            return code
+        print()
+        return runner(argparse.Namespace(**{**vars(args), "random_init": True, "network": None, "out": baseline_out}))
+
+    return run
 
 
 def run_knn(args: argparse.Namespace) -> int:
@@ -404,7 +441,13 @@ class _Run:
         if self._views is None:
             from obow.data.eval_sets import choose_view
 
-            self._views, self.view_reason = choose_view(self.info["views"], images, self.args.resize, self.args.size)
+            recipe = None
+            if self.info["kind"] == "random_init":  # a recipe's view, but nothing trained with it
+                recipe = f"recipe {self.args.config}" if self.args.config else "the checkpoint's recipe"
+                recipe += " (its network, untrained)"
+            self._views, self.view_reason = choose_view(
+                self.info["views"], images, self.args.resize, self.args.size, recipe=recipe
+            )
         return self._views
 
     @property
@@ -417,9 +460,9 @@ class _Run:
         if self.args.out:
             return Path(self.args.out)
         anchor = self.args.checkpoint or self.args.backbone
-        if anchor is None:  # a random initialisation of --arch / --stem: a folder of its own under runs/eval
-            folder = Path("runs") / "eval" / f"random_init_{self.info['arch']}_{self.info['stem']}"
-            return folder / f"{self.protocol}.json"
+        if anchor is None:  # a random initialisation of --config or --arch / --stem: a folder of its own
+            name = Path(self.args.config).stem if self.args.config else f"{self.info['arch']}_{self.info['stem']}"
+            return Path("runs") / "eval" / f"random_init_{safe_name(name)}" / f"{self.protocol}.json"
         return Path(anchor).parent / "eval" / f"{report_name(self.protocol, self.info)}.json"
 
     def train_dir(self) -> Path:
@@ -515,13 +558,20 @@ class _Run:
 def report_name(protocol: str, info: dict[str, Any]) -> str:
     """The default report's name in ``<dir>/eval/``, one per source so that none overwrites another:
     ``<protocol>`` for a checkpoint's student, ``<protocol>_teacher`` for its teacher, ``<protocol>_random_init``
-    for a random initialisation of its network, ``<protocol>_<file stem>`` for an exported backbone file (an
-    export usually lies in its checkpoint's folder)."""
+    for a random initialisation of its network, ``<protocol>_backbone-<file stem>`` for an exported backbone file
+    (an export usually lies in its checkpoint's folder; the ``backbone-`` prefix keeps an export named
+    ``teacher.pth`` or ``random_init.pth`` off the checkpoint's own reports)."""
     if info["kind"] == "random_init":
         return f"{protocol}_random_init"
     if info["kind"] == "exported":
-        return f"{protocol}_{Path(info['path']).stem}"
+        return f"{protocol}_backbone-{Path(info['path']).stem}"
     return f"{protocol}_teacher" if info["network"] == "teacher" else protocol
+
+
+def safe_name(name: str) -> str:
+    """``name`` with every run of characters other than letters, digits, ``.``, ``_`` and ``-`` made one ``-``: a
+    folder name that every file system and shell takes (``timm:resnet18`` -> ``timm-resnet18``)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name)
 
 
 def _cell(value: Any) -> str:

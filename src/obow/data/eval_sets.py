@@ -106,17 +106,22 @@ def typical_side(images: ImageList, sample: int = SIDE_SAMPLE) -> int | None:
 
 
 def choose_view(
-    recorded: dict[str, Any] | None, images: ImageList, resize: int | None = None, size: int | None = None
+    recorded: dict[str, Any] | None,
+    images: ImageList,
+    resize: int | None = None,
+    size: int | None = None,
+    recipe: str | None = None,
 ) -> tuple[ViewsConfig, str]:
     """The evaluation view and why it was chosen: ``size`` / ``resize`` when given; else the view recorded with
-    the weights (their recipe's teacher view); else one that follows the images: the paper's 256 / 224 for
-    images whose median side is at least :data:`LARGE_IMAGE_SIDE`, the images as they are (resized to their
-    median side, no crop) below that, e.g. 32 px for CIFAR-10 rather than an upsampled 224 px crop."""
+    the weights (their recipe's teacher view; ``recipe`` says whose it is when the weights were not trained with
+    it, a random initialisation); else one that follows the images: the paper's 256 / 224 for images whose
+    median side is at least :data:`LARGE_IMAGE_SIDE`, the images as they are (resized to their median side, no
+    crop) below that, e.g. 32 px for CIFAR-10 rather than an upsampled 224 px crop."""
     if size is not None or resize is not None:
         view = views_from_dict(recorded, resize=resize, size=size)
         return view, "set by --size / --resize"
     if recorded is not None:
-        return views_from_dict(recorded), "the recipe the weights were trained with"
+        return views_from_dict(recorded), recipe or "the recipe the weights were trained with"
     side = typical_side(images)
     if side is None or side >= LARGE_IMAGE_SIDE:
         why = "no recipe; " + (f"the images are large (median side {side} px)" if side else "image sizes unknown")

@@ -1,7 +1,8 @@
 """What a run keeps and how it comes back: the run folder, the checkpoint of a run in progress, resumption.
 
 A run lives in one folder (``--out``): ``config.yaml`` (the resolved recipe), ``checkpoint.pt`` (the latest
-state, :mod:`obow.weights.checkpoint`'s format), ``checkpoints/epoch_NNNN.pt`` (permanent copies every
+state, :mod:`obow.weights.checkpoint`'s format), ``checkpoint.prev.pt`` (the one before it, resumed from when the
+latest cannot be read), ``checkpoints/epoch_NNNN.pt`` (permanent copies every
 ``train.keep_every`` epochs), ``log.jsonl``, ``tensorboard/`` and ``.obow.lock`` (:mod:`obow.training.lock`:
 one writer at a time). A checkpoint holds everything needed to continue exactly where the run stopped: the
 method's and the optimiser's state, the position in the epoch (:class:`RunState`), every process's random
@@ -35,7 +36,7 @@ from obow import distributed as D
 from obow.config import Config, from_dict, save_config, to_dict
 from obow.files import make_folder, writing
 from obow.training.logger import log_main
-from obow.weights.checkpoint import build_checkpoint, load_checkpoint, save_atomic
+from obow.weights.checkpoint import build_checkpoint, load_checkpoint, load_resumable, place_copy, save_atomic
 
 if TYPE_CHECKING:
     from obow.data.folders import ImageList
@@ -141,7 +142,8 @@ def open_run(cfg: Config, out: Path) -> dict[str, Any] | None:
     created, ``config.yaml`` written, and what a killed process left behind cleared: half-written checkpoint
     files, and log records of iterations after the checkpoint (a resumed run computes them again)."""
     path = out / "checkpoint.pt"
-    ckpt = load_checkpoint(path) if path.exists() else None
+    found = load_resumable(path)
+    ckpt, source = found if found is not None else (None, None)
     extended_from = None
     if ckpt is not None:
         extended_from = check_same_run(cfg, ckpt["config"], path)
@@ -153,8 +155,10 @@ def open_run(cfg: Config, out: Path) -> dict[str, Any] | None:
     if D.is_main_process():
         make_folder(out)
         save_config(cfg, out / "config.yaml")
-        for stale in [*out.glob(".checkpoint.pt.*.tmp"), *out.glob("checkpoints/.epoch_*.pt.*.tmp")]:
+        for stale in [*out.glob(".checkpoint*.pt.*.tmp"), *out.glob("checkpoints/.epoch_*.pt.*.tmp")]:
             stale.unlink()
+        if source is not None and source != path:  # the damaged file goes: the next write must not keep it
+            place_copy(source, path)
         if ckpt is not None:
             truncate_log(out / "log.jsonl", ckpt["iteration"])
         if extended_from is not None:
@@ -259,7 +263,7 @@ def save_run(
         skipped_images=sorted(state.skipped),
         history=state.history,
     )
-    save_atomic(ckpt, out / "checkpoint.pt")
+    save_atomic(ckpt, out / "checkpoint.pt", keep_previous=True)
     if state.batch_in_epoch == 0 and cfg.train.keep_every and state.epoch % cfg.train.keep_every == 0:
         save_atomic(ckpt, out / "checkpoints" / f"epoch_{state.epoch:04d}.pt")
 

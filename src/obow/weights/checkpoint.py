@@ -33,7 +33,9 @@ import contextlib
 import os
 import pickle
 import re
+import shutil
 import tempfile
+import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +45,7 @@ import numpy as np
 import torch
 
 from obow.files import as_write_error, file_mode, sync_folder, writing
+from obow.notices import ObowWarning
 
 FORMAT = "obow-checkpoint"
 VERSION = 2  # 2: random states as tensors and plain values (weights_only loads), the epoch in progress
@@ -59,13 +62,35 @@ NUMPY_GLOBALS = [
 ]
 
 
-def save_atomic(obj: Any, path: str | Path, dump: Callable[[Any, BinaryIO], Any] = torch.save) -> None:
+class UnreadableFile(ValueError):
+    """A file ``torch.load`` cannot read (missing, empty, damaged, not PyTorch's, holding code): the message is
+    one line; ``why`` says what is wrong in a few words."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
+def previous_path(path: str | Path) -> Path:
+    """Where :func:`save_atomic` with ``keep_previous`` keeps the file it replaces: ``checkpoint.prev.pt`` beside
+    ``checkpoint.pt``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
+
+
+def save_atomic(
+    obj: Any, path: str | Path, keep_previous: bool = False, dump: Callable[[Any, BinaryIO], Any] = torch.save
+) -> None:
     """``dump(obj, file)`` (``torch.save`` unless given) to a temporary file in the same folder, then rename it over
     ``path``.
 
     The previous file stays whole until the new one is complete: a crash, a kill, a second Ctrl-C or a failed
     write (full disk, file size limit) during the write leaves it intact and removes the temporary file. A
     failed write raises :class:`~obow.files.WriteError` (one line: the file and the cause).
+
+    With ``keep_previous``, the file replaced becomes :func:`previous_path` (a hard link made before the rename,
+    a copy where the file system has none): ``path`` and the previous copy are each whole at every moment, so a
+    checkpoint damaged after it was written (a disk fault, a copy cut short) leaves the one before it.
 
     The file gets the mode of every other file obow writes, ``0o666`` less the umask (:func:`obow.files.file_mode`,
     ``0o644`` under the usual umask ``022``), not ``mkstemp``'s private ``0o600``: a checkpoint is as readable as
@@ -80,6 +105,8 @@ def save_atomic(obj: Any, path: str | Path, dump: Callable[[Any, BinaryIO], Any]
                 dump(obj, f)
                 f.flush()
                 os.fsync(f.fileno())
+            if keep_previous and path.is_file():
+                place_copy(path, previous_path(path))
             os.replace(tmp, path)
         except BaseException as err:
             # judged before the partial file is removed: it is what filled the disk
@@ -91,6 +118,21 @@ def save_atomic(obj: Any, path: str | Path, dump: Callable[[Any, BinaryIO], Any]
     sync_folder(path.parent)
 
 
+def place_copy(source: Path, target: Path) -> None:
+    """``target`` becomes a copy of ``source`` at once (a hard link, or a copy where links are refused), never a
+    half-made file: made under a temporary name, then renamed."""
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        try:
+            os.link(source, tmp)
+        except OSError:  # a file system without hard links (some network and FAT ones)
+            shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def read_torch_file(
     path: str | Path, what: str, *, numpy_arrays: bool = False, map_location: str | torch.device = "cpu"
 ) -> Any:
@@ -100,14 +142,15 @@ def read_torch_file(
     arrays, which version-1 checkpoints hold in their random states."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{what} {str(path)!r} does not exist")
+        raise UnreadableFile(f"{what} {str(path)!r} does not exist", "it does not exist")
     allowed = NUMPY_GLOBALS if numpy_arrays else []
     try:
         with warnings.catch_warnings(), torch.serialization.safe_globals(allowed):
             warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": the error below says it better
             return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file gets one line saying why
-        raise ValueError(f"cannot read {what} {str(path)!r}: {why_unreadable(path, err)}") from None
+        why = why_unreadable(path, err)
+        raise UnreadableFile(f"cannot read {what} {str(path)!r}: {why}", why) from None
 
 
 def why_unreadable(path: Path, err: Exception) -> str:
@@ -132,7 +175,49 @@ def why_unreadable(path: Path, err: Exception) -> str:
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Read a pretraining checkpoint written by ``obow pretrain`` or ``obow import-official``; raise a one-line
-    ``ValueError`` for anything else, saying what the file is when it is something obow knows."""
+    ``ValueError`` for anything else, saying what the file is when it is something obow knows, and naming the
+    previous checkpoint beside a file that cannot be read (:func:`previous_path`) when there is one."""
+    try:
+        return _load_checkpoint(path, map_location)
+    except UnreadableFile as err:
+        previous = previous_path(path)
+        if previous.is_file():
+            raise UnreadableFile(f"{err}; the run's previous checkpoint is {str(previous)!r}", err.why) from None
+        raise
+
+
+def load_resumable(path: str | Path) -> tuple[dict[str, Any], Path] | None:
+    """The checkpoint a run resumes from and its file: ``path``'s, or where it cannot be read its previous copy
+    (:func:`previous_path`), with an :class:`~obow.notices.ObowWarning` saying so (which file, which iteration);
+    ``None`` when neither exists. When neither reads, a one-line ``ValueError`` naming both files and what to do."""
+    path = Path(path)
+    previous = previous_path(path)
+    if not path.exists() and not previous.exists():
+        return None
+    try:
+        return _load_checkpoint(path), path
+    except UnreadableFile as err:
+        damage = err
+    try:
+        ckpt = _load_checkpoint(previous)
+    except UnreadableFile as err:
+        older = sorted((path.parent / "checkpoints").glob("epoch_*.pt"))
+        copy = f", or copy {older[-1]} over {path} to resume from that epoch" if older else ""
+        kept = f"{previous.name}: {err.why}" if previous.exists() else f"no previous copy ({previous.name}) is kept"
+        raise ValueError(
+            f"cannot resume the run in {path.parent}: {path.name}: {damage.why}; {kept}. Start the run again with "
+            f"another --out, or delete {path.parent} to start it over in the same folder{copy}"
+        ) from None
+    warnings.warn(
+        f"{path} cannot be read ({damage.why}): resuming from the previous checkpoint {previous}, iteration "
+        f"{ckpt['iteration']}",
+        ObowWarning,
+        stacklevel=2,
+    )
+    return ckpt, previous
+
+
+def _load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     ckpt = read_torch_file(path, "checkpoint", numpy_arrays=True, map_location=map_location)
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} is not an obow pretraining checkpoint: {describe(ckpt)}")

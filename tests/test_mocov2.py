@@ -350,17 +350,18 @@ def _dist_worker(rank: int, port: int, out_dir: str) -> None:
     try:
         teacher, views = random_batch(batch=GLOBAL_BATCH, seed=5)
         mine = slice(rank * GLOBAL_BATCH // WORLD, (rank + 1) * GLOBAL_BATCH // WORLD)
-        for name in ("bn", "no_bn"):
-            model = tiny_model(queue_size=16, batchnorm=name == "bn")
+        for name in ("bn", "no_bn", "split"):
+            model = tiny_model(queue_size=16, batchnorm=name != "no_bn", bn_splits=2 if name == "split" else 1)
             torch.manual_seed(100 + rank)  # runtime randomness differs per process, as in a real run
             ddp = ddp_without_buffer_sync(model)
             out = ddp(teacher[mine], [v[mine] for v in views])
             out.loss.backward()
             grad = next(p.grad for p in model.student.parameters())
             torch.save(
-                {"queue": model.queue, "ptr": model.queue_ptr, "keys": out.targets["keys"], "grad": grad},
+                {"queue": model.queue, "ptr": model.queue_ptr, "keys": out.targets["keys"], "grad": grad,
+                 "loss": out.loss.detach()},
                 Path(out_dir) / f"{name}_rank{rank}.pt",
-            )
+            )  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -368,7 +369,7 @@ def _dist_worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.slow
 def test_two_processes_share_one_queue_in_rank_order(tmp_path, free_port):
     mp.start_processes(_dist_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
-    for name in ("bn", "no_bn"):
+    for name in ("bn", "no_bn", "split"):
         a, b = (torch.load(tmp_path / f"{name}_rank{r}.pt") for r in range(WORLD))
         torch.testing.assert_close(a["queue"], b["queue"], rtol=0, atol=0)
         assert int(a["ptr"]) == int(b["ptr"]) == GLOBAL_BATCH
@@ -382,6 +383,36 @@ def test_two_processes_share_one_queue_in_rank_order(tmp_path, free_port):
     keys = single(teacher, views).targets["keys"]
     no_bn = [torch.load(tmp_path / f"no_bn_rank{r}.pt")["keys"] for r in range(WORLD)]
     torch.testing.assert_close(torch.cat(no_bn), keys, rtol=1e-5, atol=1e-6)
+    _check_splits_within_processes(tmp_path)
+
+
+def _check_splits_within_processes(tmp_path: Path) -> None:
+    """bn_splits=2 on each of 2 processes of 4 images: the keys of the permutation rank 0 drew are encoded in
+    sub-batches of 2 (positions 0-1, 2-3 of the permuted batch on rank 0, 4-5, 6-7 on rank 1); each process's
+    queries in blocks of 2 of its own images; DDP averages the two processes' gradients."""
+    saved = [torch.load(tmp_path / f"split_rank{r}.pt") for r in range(WORLD)]
+    model = tiny_model(queue_size=16, bn_splits=2)
+    negatives = model.queue.clone()
+    teacher, views = random_batch(batch=GLOBAL_BATCH, seed=5)
+    torch.manual_seed(100)
+    perm = torch.randperm(GLOBAL_BATCH)  # rank 0's first draw of the step, broadcast to rank 1
+    key_encoder, query_encoder = plain_copy(model.teacher), plain_copy(model.student)
+    keys = torch.empty(GLOBAL_BATCH, model.queue.shape[1])
+    with torch.no_grad():
+        for k in range(GLOBAL_BATCH // 2):
+            images = perm[2 * k : 2 * k + 2]
+            keys[images] = F.normalize(model.key_projector(key_encoder(teacher[images]).pool5), dim=1)
+    torch.testing.assert_close(torch.cat([s["keys"] for s in saved]), keys, rtol=1e-5, atol=1e-6)
+    losses = []
+    for rank in range(WORLD):
+        blocks = [views[0][i : i + 2].flatten(0, 1) for i in range(4 * rank, 4 * rank + 4, 2)]
+        queries = F.normalize(model.projector(torch.cat([query_encoder(x).pool5 for x in blocks])), dim=1)
+        loss, _ = info_nce_loss(queries, keys[4 * rank : 4 * rank + 4], negatives, model.temperature)
+        torch.testing.assert_close(saved[rank]["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
+        losses.append(loss)
+    (sum(losses) / WORLD).backward()
+    grad = next(p.grad for p in query_encoder.parameters())
+    torch.testing.assert_close(saved[0]["grad"], grad, rtol=1e-4, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------- real runs

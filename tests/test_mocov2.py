@@ -23,7 +23,8 @@ from obow.distributed import ddp_without_buffer_sync
 from obow.methods import build_views
 from obow.methods.mocov2 import MoCoV2, auto_bn_splits, check_bn_splits, info_nce_loss
 from obow.methods.split_batchnorm import SplitBatchNorm2d
-from obow.training.build import settle_bn_splits
+from obow.training import build as build_module
+from obow.training.build import settle_bn_splits, synchronises_batchnorm
 from obow.training.state import RunError, check_same_run
 from obow.weights.checkpoint import load_checkpoint
 from obow.weights.load import load_backbone
@@ -290,6 +291,16 @@ def test_settle_bn_splits_new_runs_resumed_runs_and_runs_from_before_the_setting
     # other methods and a value given are left alone
     assert settle_bn_splits(load_config("cifar10_fast"), None).moco.bn_splits is None
     assert settle_bn_splits(split, old).moco.bn_splits == 4
+
+
+def test_mocov2_batch_norm_is_never_synchronised_across_gpus(monkeypatch):
+    monkeypatch.setattr(build_module.D, "is_distributed", lambda: True)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    obow_cfg = load_config("cifar10_fast")
+    moco_cfg = load_config("cifar10_fast", ["model.method=mocov2", "moco.queue_size=1024"])
+    assert obow_cfg.train.sync_batchnorm and moco_cfg.train.sync_batchnorm
+    assert synchronises_batchnorm(obow_cfg, gpu) and not synchronises_batchnorm(obow_cfg, cpu)
+    assert not synchronises_batchnorm(moco_cfg, gpu)
 
 
 # ---------------------------------------------------------------------------------------------------- views

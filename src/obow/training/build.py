@@ -36,6 +36,7 @@ __all__ = [
     "settle_bn_splits",
     "settle_pipeline",
     "setup_process",
+    "synchronises_batchnorm",
 ]
 
 
@@ -184,15 +185,22 @@ def settled(cfg: Config, pipeline: str) -> Config:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pipeline=pipeline))
 
 
+def synchronises_batchnorm(cfg: Config, device: torch.device) -> bool:
+    """Whether :func:`build_model` makes the student's and teacher's batch norm ``SyncBatchNorm``: with
+    ``train.sync_batchnorm`` on several GPUs, except for MoCo v2, whose query and key would then be normalised
+    with the statistics of the same (global) batch, undoing its shuffled batch norm (the leak,
+    :mod:`obow.methods.mocov2`; MoCo's code keeps each GPU's own statistics)."""
+    wanted = cfg.train.sync_batchnorm and cfg.model.method != "mocov2"
+    return wanted and D.is_distributed() and device.type == "cuda"
+
+
 def build_model(cfg: Config, total_iterations: int, device: torch.device, resuming: bool = False) -> Method:
     """The method of ``cfg`` on ``device``. The same seed on every process gives the same initial weights and
     vocabulary; batch norm is synchronised across GPUs when asked (``train.sync_batchnorm``). ``resuming``: the
     weights come from a checkpoint next (so BoWNet does not read its teacher file)."""
     torch.manual_seed(cfg.train.seed)
     model = build_method(cfg, total_iterations, resuming=resuming)
-    # Not MoCo's: batch norm synchronised over the processes would normalise a query and its key with the
-    # statistics of the same (global) batch, undoing the shuffle and the split (the leak, obow.methods.mocov2).
-    if D.is_distributed() and device.type == "cuda" and cfg.train.sync_batchnorm and cfg.model.method != "mocov2":
+    if synchronises_batchnorm(cfg, device):
         model.student = nn.SyncBatchNorm.convert_sync_batchnorm(model.student)
         if model.teacher is not None:
             model.teacher = nn.SyncBatchNorm.convert_sync_batchnorm(model.teacher)

@@ -57,6 +57,8 @@ What differs or is a choice here:
 * ``moco.bn_splits`` (``null``: :func:`auto_bn_splits`, sub-batches of 32 images or more, up to 8 of them, as
   each of MoCo's 8 GPUs normalised 32 images on ImageNet and its single-GPU CIFAR code split a batch of 512 in 8);
   runs started before the setting existed keep the ``1`` they trained with when resumed;
+* ``train.sync_batchnorm`` does not apply: synchronised batch norm would normalise a query and its key with the
+  same global statistics (:func:`obow.training.build.synchronises_batchnorm`);
 * the key-encoder momentum is constant (MoCo v2), whatever ``model.teacher_momentum_schedule`` says.
 """
 

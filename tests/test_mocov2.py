@@ -1,6 +1,7 @@
 """MoCo v2 (the paper's appendix baseline): the InfoNCE loss against float64 references, the queue, the momentum
 key encoder, the views, two real gloo processes, and real tiny pretraining runs (new, resumed, evaluated)."""
 
+import dataclasses
 import math
 import os
 import shutil
@@ -16,11 +17,15 @@ from PIL import Image
 from torch import nn
 
 from obow.backbones import build_backbone
-from obow.config import Config, from_dict
+from obow.config import Config, ConfigError, from_dict, load_config, to_dict
 from obow.data.transforms import MoCoV2Views, OBoWViews
 from obow.distributed import ddp_without_buffer_sync
 from obow.methods import build_views
-from obow.methods.mocov2 import MoCoV2, info_nce_loss
+from obow.methods.mocov2 import MoCoV2, auto_bn_splits, check_bn_splits, info_nce_loss
+from obow.methods.split_batchnorm import SplitBatchNorm2d
+from obow.training import build as build_module
+from obow.training.build import settle_bn_splits, synchronises_batchnorm
+from obow.training.state import RunError, check_same_run
 from obow.weights.checkpoint import load_checkpoint
 from obow.weights.load import load_backbone
 
@@ -183,6 +188,121 @@ def test_group_wise_calls_equal_the_whole_step(weighting):
         parts(teacher, views, group=1)
 
 
+# ---------------------------------------------------------------------------------------------------- shuffled BN
+
+
+def plain_copy(backbone: nn.Module) -> nn.Module:
+    """A backbone of the tiny architecture with ``backbone``'s weights and plain ``nn.BatchNorm2d``, in training
+    mode: the reference that normalises whatever batch it is given with that batch's statistics."""
+    plain = build_backbone(*TINY_ARCH)
+    plain.load_state_dict(backbone.state_dict())
+    assert not any(isinstance(m, SplitBatchNorm2d) for m in plain.modules())
+    return plain.train()
+
+
+def test_auto_bn_splits_keeps_sub_batches_of_32_images_up_to_8():
+    # one process: 32-image sub-batches (MoCo's per-GPU ImageNet batch), at most 8 (its single-GPU CIFAR code)
+    assert [auto_bn_splits(b, 1) for b in (64, 96, 128, 256, 512, 1024)] == [2, 3, 4, 8, 8, 8]
+    # below 64 on one process: the fewest sub-batches of >= 2 images (1 would be the leak), 1 when none divides
+    assert [auto_bn_splits(b, 1) for b in (8, 16, 32, 6, 7, 2)] == [2, 2, 2, 2, 1, 1]
+    # several processes: the shuffle across them already separates keys from queries (MoCo: 8 GPUs x 32)
+    assert [auto_bn_splits(b, 8) for b in (32, 64, 128)] == [1, 2, 4]
+    # the recipes the tables run (batch 128 on one process) and the tiny tests (8)
+    for recipe in ("cifar10_fast", "imagenette_fast"):
+        cfg = load_config(recipe, ["model.method=mocov2", "moco.queue_size=1024"])
+        assert cfg.moco.bn_splits is None and auto_bn_splits(cfg.data.batch_size, 1) == 4
+
+
+def test_bn_splits_is_validated_in_one_line():
+    cfg = load_config("cifar10_fast", ["model.method=mocov2", "moco.queue_size=1024", "moco.bn_splits=8"])
+    assert cfg.moco.bn_splits == 8
+    with pytest.raises(ConfigError, match=r"moco.bn_splits \(3\) must divide data.batch_size \(128\)"):
+        load_config("cifar10_fast", ["model.method=mocov2", "moco.queue_size=1024", "moco.bn_splits=3"])
+    with pytest.raises(ConfigError, match="moco.bn_splits must be an integer >= 1, got 0"):
+        load_config("cifar10_fast", ["model.method=mocov2", "moco.queue_size=1024", "moco.bn_splits=0"])
+    with pytest.raises(ValueError, match="moco.bn_splits=4 does not divide the batch of 6 images per process"):
+        check_bn_splits(4, 6)
+
+
+def test_keys_and_queries_are_normalised_over_the_sub_batches_of_a_random_permutation():
+    """bn_splits=2, batch 8, OBoW's views (2 crops and 3 patches per image): each key equals the plain encoder's
+    key of its sub-batch of the permuted batch alone, each group's loss the loss of queries encoded block by block
+    (images 0-3, then 4-7, all views of them), against the queue before the step."""
+    b, splits, m = 8, 2, 4
+    groups = ((2, 8), (3, 6))
+    model = tiny_model(queue_size=16, bn_splits=splits)
+    assert sum(isinstance(x, SplitBatchNorm2d) for x in model.teacher.modules()) > 10
+    assert all(x.splits == splits for x in model.student.modules() if isinstance(x, SplitBatchNorm2d))
+    teacher, views = random_batch(batch=b, seed=4, groups=groups)
+    negatives = model.queue.clone()
+    torch.manual_seed(11)
+    out = model(teacher, views)
+    torch.manual_seed(11)
+    perm = torch.randperm(b)  # the step's first random draw
+    assert not torch.equal(perm, torch.arange(b))
+
+    key_encoder = plain_copy(model.teacher)
+    expected = torch.empty(b, model.queue.shape[1])
+    with torch.no_grad():
+        for k in range(splits):
+            images = perm[k * m : (k + 1) * m]
+            expected[images] = F.normalize(model.key_projector(key_encoder(teacher[images]).pool5), dim=1)
+        whole = F.normalize(model.key_projector(key_encoder(teacher).pool5), dim=1)
+    torch.testing.assert_close(out.targets["keys"], expected, rtol=1e-5, atol=1e-6)
+    assert (out.targets["keys"] - whole).abs().max() > 1e-3  # one batch statistic would give other keys
+
+    query_encoder = plain_copy(model.student)
+    for g, (n, _) in enumerate(groups):
+        blocks = [views[g][j * m : (j + 1) * m].flatten(0, 1) for j in range(splits)]
+        features = torch.cat([query_encoder(block).pool5 for block in blocks])
+        queries = F.normalize(model.projector(features), dim=1)
+        loss, _ = info_nce_loss(queries, expected.repeat_interleave(n, dim=0), negatives, model.temperature)
+        torch.testing.assert_close(out.metrics[f"loss/group{g}"], loss.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_shuffling_draws_from_the_runs_generator_only_when_it_splits_and_trains():
+    teacher, views = random_batch(batch=8, seed=2)
+    for splits, training, draws in ((1, True, False), (2, True, True), (2, False, False)):
+        model = tiny_model(queue_size=16, bn_splits=splits).train(training)
+        state = torch.get_rng_state()
+        model(teacher, views)
+        assert (not torch.equal(torch.get_rng_state(), state)) == draws, (splits, training)
+    # the same generator state, the same step: what makes resuming exact
+    a, b = tiny_model(queue_size=16, bn_splits=2), tiny_model(queue_size=16, bn_splits=2)
+    torch.manual_seed(3)
+    keys_a = a(teacher, views).targets["keys"]
+    torch.manual_seed(3)
+    torch.testing.assert_close(b(teacher, views).targets["keys"], keys_a, rtol=0, atol=0)
+
+
+def test_settle_bn_splits_new_runs_resumed_runs_and_runs_from_before_the_setting():
+    cfg = load_config("cifar10_fast", ["model.method=mocov2", "moco.queue_size=1024"])
+    assert settle_bn_splits(cfg, None).moco.bn_splits == 4  # a new run: the automatic choice, recorded
+    started = to_dict(dataclasses.replace(cfg, moco=dataclasses.replace(cfg.moco, bn_splits=8)))
+    assert settle_bn_splits(cfg, started).moco.bn_splits == 8  # a resumed run keeps what it started with
+    old = to_dict(cfg)
+    del old["moco"]["bn_splits"]  # a MoCo run from before the setting: it trained with plain batch norm
+    settled = settle_bn_splits(cfg, old)
+    assert settled.moco.bn_splits == 1
+    assert check_same_run(settled, old, Path("checkpoint.pt")) is None  # the same run
+    split = dataclasses.replace(cfg, moco=dataclasses.replace(cfg.moco, bn_splits=4))
+    with pytest.raises(RunError, match=r"moco.bn_splits: 1 -> 4"):
+        check_same_run(split, old, Path("checkpoint.pt"))
+    # other methods and a value given are left alone
+    assert settle_bn_splits(load_config("cifar10_fast"), None).moco.bn_splits is None
+    assert settle_bn_splits(split, old).moco.bn_splits == 4
+
+
+def test_mocov2_batch_norm_is_never_synchronised_across_gpus(monkeypatch):
+    monkeypatch.setattr(build_module.D, "is_distributed", lambda: True)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    obow_cfg = load_config("cifar10_fast")
+    moco_cfg = load_config("cifar10_fast", ["model.method=mocov2", "moco.queue_size=1024"])
+    assert obow_cfg.train.sync_batchnorm and moco_cfg.train.sync_batchnorm
+    assert synchronises_batchnorm(obow_cfg, gpu) and not synchronises_batchnorm(obow_cfg, cpu)
+    assert not synchronises_batchnorm(moco_cfg, gpu)
+
+
 # ---------------------------------------------------------------------------------------------------- views
 
 
@@ -241,17 +361,18 @@ def _dist_worker(rank: int, port: int, out_dir: str) -> None:
     try:
         teacher, views = random_batch(batch=GLOBAL_BATCH, seed=5)
         mine = slice(rank * GLOBAL_BATCH // WORLD, (rank + 1) * GLOBAL_BATCH // WORLD)
-        for name in ("bn", "no_bn"):
-            model = tiny_model(queue_size=16, batchnorm=name == "bn")
+        for name in ("bn", "no_bn", "split"):
+            model = tiny_model(queue_size=16, batchnorm=name != "no_bn", bn_splits=2 if name == "split" else 1)
             torch.manual_seed(100 + rank)  # runtime randomness differs per process, as in a real run
             ddp = ddp_without_buffer_sync(model)
             out = ddp(teacher[mine], [v[mine] for v in views])
             out.loss.backward()
             grad = next(p.grad for p in model.student.parameters())
             torch.save(
-                {"queue": model.queue, "ptr": model.queue_ptr, "keys": out.targets["keys"], "grad": grad},
+                {"queue": model.queue, "ptr": model.queue_ptr, "keys": out.targets["keys"], "grad": grad,
+                 "loss": out.loss.detach()},
                 Path(out_dir) / f"{name}_rank{rank}.pt",
-            )
+            )  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -259,7 +380,7 @@ def _dist_worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.slow
 def test_two_processes_share_one_queue_in_rank_order(tmp_path, free_port):
     mp.start_processes(_dist_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
-    for name in ("bn", "no_bn"):
+    for name in ("bn", "no_bn", "split"):
         a, b = (torch.load(tmp_path / f"{name}_rank{r}.pt") for r in range(WORLD))
         torch.testing.assert_close(a["queue"], b["queue"], rtol=0, atol=0)
         assert int(a["ptr"]) == int(b["ptr"]) == GLOBAL_BATCH
@@ -273,6 +394,36 @@ def test_two_processes_share_one_queue_in_rank_order(tmp_path, free_port):
     keys = single(teacher, views).targets["keys"]
     no_bn = [torch.load(tmp_path / f"no_bn_rank{r}.pt")["keys"] for r in range(WORLD)]
     torch.testing.assert_close(torch.cat(no_bn), keys, rtol=1e-5, atol=1e-6)
+    _check_splits_within_processes(tmp_path)
+
+
+def _check_splits_within_processes(tmp_path: Path) -> None:
+    """bn_splits=2 on each of 2 processes of 4 images: the keys of the permutation rank 0 drew are encoded in
+    sub-batches of 2 (positions 0-1, 2-3 of the permuted batch on rank 0, 4-5, 6-7 on rank 1); each process's
+    queries in blocks of 2 of its own images; DDP averages the two processes' gradients."""
+    saved = [torch.load(tmp_path / f"split_rank{r}.pt") for r in range(WORLD)]
+    model = tiny_model(queue_size=16, bn_splits=2)
+    negatives = model.queue.clone()
+    teacher, views = random_batch(batch=GLOBAL_BATCH, seed=5)
+    torch.manual_seed(100)
+    perm = torch.randperm(GLOBAL_BATCH)  # rank 0's first draw of the step, broadcast to rank 1
+    key_encoder, query_encoder = plain_copy(model.teacher), plain_copy(model.student)
+    keys = torch.empty(GLOBAL_BATCH, model.queue.shape[1])
+    with torch.no_grad():
+        for k in range(GLOBAL_BATCH // 2):
+            images = perm[2 * k : 2 * k + 2]
+            keys[images] = F.normalize(model.key_projector(key_encoder(teacher[images]).pool5), dim=1)
+    torch.testing.assert_close(torch.cat([s["keys"] for s in saved]), keys, rtol=1e-5, atol=1e-6)
+    losses = []
+    for rank in range(WORLD):
+        blocks = [views[0][i : i + 2].flatten(0, 1) for i in range(4 * rank, 4 * rank + 4, 2)]
+        queries = F.normalize(model.projector(torch.cat([query_encoder(x).pool5 for x in blocks])), dim=1)
+        loss, _ = info_nce_loss(queries, keys[4 * rank : 4 * rank + 4], negatives, model.temperature)
+        torch.testing.assert_close(saved[rank]["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
+        losses.append(loss)
+    (sum(losses) / WORLD).backward()
+    grad = next(p.grad for p in query_encoder.parameters())
+    torch.testing.assert_close(saved[0]["grad"], grad, rtol=1e-4, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------- real runs
@@ -298,12 +449,15 @@ def test_pretrain_resume_and_load_the_student(tmp_path, write_images, read_log, 
     from obow.training.loop import pretrain
 
     data = write_images(tmp_path / "data", per_class=8, size=20)  # 16 images: 2 steps per epoch
-    epochs = 2 if augmentation == "mocov2" else 1
+    epochs = 2
     cfg = _run_config(data, augmentation, epochs)
     result = pretrain(cfg, tmp_path / "whole")
     assert result["iteration"] == 2 * epochs and math.isfinite(result["loss"])
     ckpt = load_checkpoint(tmp_path / "whole" / "checkpoint.pt")
     state = ckpt["model"]
+    # moco.bn_splits: null became 2 (sub-batches of 4 of the batch of 8), recorded with the run
+    assert cfg.moco.bn_splits is None and ckpt["config"]["moco"]["bn_splits"] == 2
+    assert "bn_splits: 2" in (tmp_path / "whole" / "config.yaml").read_text()
     assert int(state["iteration"]) == 2 * epochs and int(state["queue_ptr"]) == (8 * 2 * epochs) % 16
     assert {"queue", "queue_ptr", "projector.0.weight", "key_projector.2.weight"} <= set(state)
     assert any(k.startswith("teacher.") for k in state)
@@ -323,13 +477,13 @@ def test_pretrain_resume_and_load_the_student(tmp_path, write_images, read_log, 
         features = backbone.eval()(torch.randn(3, 3, 16, 16)).pool5
     assert features.shape == (3, 64) and torch.isfinite(features).all()
 
-    if augmentation == "mocov2":
-        # resume from the end of epoch 1: the second epoch must give the same weights, queue and all
-        resumed = tmp_path / "resumed"
-        resumed.mkdir()
-        shutil.copy(tmp_path / "whole" / "checkpoints" / "epoch_0001.pt", resumed / "checkpoint.pt")
-        assert pretrain(cfg, resumed)["iteration"] == 4
-        done = load_checkpoint(resumed / "checkpoint.pt")
-        assert done["epoch"] == 2
-        for name, value in state.items():
-            assert torch.equal(value, done["model"][name]), name
+    # resume from the end of epoch 1: the second epoch (its key permutations drawn from the restored random
+    # state) must give the same weights, queue and all
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copy(tmp_path / "whole" / "checkpoints" / "epoch_0001.pt", resumed / "checkpoint.pt")
+    assert pretrain(cfg, resumed)["iteration"] == 4
+    done = load_checkpoint(resumed / "checkpoint.pt")
+    assert done["epoch"] == 2
+    for name, value in state.items():
+        assert torch.equal(value, done["model"][name]), name

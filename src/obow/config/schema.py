@@ -191,6 +191,13 @@ class MoCoConfig:
     scale ``crop_scale``, colour jitter, grayscale, blur, flip); ``ours`` uses OBoW's views: every student
     crop and patch is a query, contrasted with the key of the teacher's view ("MoCo v2 (our aug.)").
     ``hidden_dim: null`` makes the MLP's hidden layer as wide as the backbone's features (MoCo v2).
+    ``bn_splits``: MoCo's shuffled batch norm on one device: the query and key encoders' batch norm computes
+    its statistics over this many sub-batches of each process's batch, and the keys of a random permutation of
+    the batch are encoded, so that a key is not normalised with its query's images (:mod:`obow.methods.mocov2`);
+    it must divide the per-process batch. ``null``: sub-batches of at least 32 images, up to 8 of them
+    (:func:`obow.methods.mocov2.auto_bn_splits`; batch 128 -> 4), settled when a run starts and recorded in its
+    ``config.yaml``; a run started before the setting existed resumes with the 1 it trained with. ``1`` on one
+    process is the leaky variant, where the pretext task can be solved through batch statistics.
     """
 
     augmentation: str = "mocov2"
@@ -200,9 +207,12 @@ class MoCoConfig:
     temperature: float = 0.2
     key_momentum: float = 0.999
     crop_scale: tuple[float, ...] = (0.2, 1.0)
+    bn_splits: int | None = None
 
     def __post_init__(self) -> None:
         check_choice("moco.augmentation", self.augmentation, MOCO_AUGMENTATIONS)
+        if self.bn_splits is not None:
+            _check_int("moco.bn_splits", self.bn_splits, minimum=1)
         _check_int("moco.dim", self.dim, minimum=1)
         if self.hidden_dim is not None:
             _check_int("moco.hidden_dim", self.hidden_dim, minimum=1)
@@ -364,6 +374,12 @@ class Config:
                 raise ConfigError(
                     f"moco.queue_size ({self.moco.queue_size}) must be a multiple of data.batch_size "
                     f"({self.data.batch_size}): the queue takes one key per image of the global batch each step"
+                )
+            splits = self.moco.bn_splits
+            if splits is not None and self.data.batch_size % splits != 0:
+                raise ConfigError(
+                    f"moco.bn_splits ({splits}) must divide data.batch_size ({self.data.batch_size}): batch norm "
+                    "takes equal sub-batches of each process's batch"
                 )
             return  # no BoW levels: the map-size and vocabulary rules below are OBoW's and BoWNet's
         if m.method == "rotnet":

@@ -7,7 +7,7 @@ the InfoNCE loss (:func:`info_nce_loss`). One call of :meth:`MoCoV2.forward` in 
 1. the key encoder becomes ``m * key + (1 - m) * query`` (parameters only; its batch-norm statistics are its
    own, as for OBoW's teacher), with the constant ``m = moco.key_momentum``;
 2. keys = ``normalize(key_projector(teacher(teacher_images).pool5))``, without gradient, with MoCo's
-   shuffled batch norm across processes (:meth:`MoCoV2.compute_keys`);
+   shuffled batch norm (:meth:`MoCoV2.compute_keys`; below);
 3. every student view of every group is a query, contrasted with its image's key (the positive) and the
    queue (the negatives: the queue *before* this step's keys are added); a group's loss is the mean over its
    views, and the groups are combined as OBoW's (``model.loss_weighting``: ``group_sum`` sums the group
@@ -15,6 +15,31 @@ the InfoNCE loss (:func:`info_nce_loss`). One call of :meth:`MoCoV2.forward` in 
 4. this step's keys of all processes, in rank order, replace the oldest entries of the queue (FIFO).
 
 The caller does the backward pass and the optimiser step.
+
+Shuffled batch norm (MoCo, section 3.3). A batch-norm statistic mixes the images it is computed over, so a
+query and its key normalised with the statistics of the same images share a signature the keys of the queue
+(normalised in earlier steps) lack: the pretext task can be solved through it ("cheating": the
+instance-discrimination accuracy ``moco/accuracy`` is high while the features learn little). MoCo trains on
+several GPUs, each normalising its own share of the batch, and encodes the keys of a randomly permuted batch
+(then puts them back in order); its single-GPU code simulates the GPUs by splitting batch norm into
+sub-batches. Both are here, and compose: with ``P`` processes of ``b`` images each and ``s = bn_splits``
+(batch norm of the query and the key encoder computed over contiguous sub-batches of the rows,
+:mod:`obow.methods.split_batchnorm`), the keys of a random permutation of the global batch are encoded, process
+``r`` taking its ``b`` images, cut into ``s`` sub-batches of ``m = b / s`` images. What holds, for image ``i``:
+
+* its queries (in every view group: the views are image-major, ``[b, n, ...]`` flattened, so the ``n`` views of
+  an image are adjacent rows) are all normalised with the statistics of one fixed block ``Q(i)`` of ``m``
+  images of its process's batch (the images ``m * (i // m) ... m * (i // m) + m - 1``, every view of them);
+* its key is normalised with the statistics of ``K(i)``: ``i`` and ``m - 1`` other images drawn uniformly at
+  random, afresh each step, from the ``P * b - 1`` others of the global batch, independently of ``Q(i)``. The
+  other images of ``Q(i)`` are in ``K(i)`` only by chance: ``(m - 1)^2 / (P b - 1)`` of them on average, about
+  a share ``1 / (P s)`` of the sub-batch (MoCo's 8 GPUs: 1/8), and ``K(i) = Q(i)`` with probability
+  ``1 / C(P b - 1, m - 1)``.
+
+This is MoCo's guarantee, not disjointness: a key's statistics come from a random other set of images than its
+query's. With ``P = s = 1`` (``bn_splits=1`` on one process) ``K(i) = Q(i)`` is the whole batch: the leak.
+The permutation is drawn from the run's random generator on the images' device (saved in checkpoints: resuming
+is exact); with ``bn_splits=1`` on one process none is drawn.
 
 What follows MoCo v2 (Chen, Fan, Girshick, He, "Improved baselines with momentum contrastive learning",
 2020): the 2-layer MLP head (``Linear(F, F) -> ReLU -> Linear(F, 128)``, ``moco.hidden_dim: null`` makes the
@@ -29,8 +54,11 @@ What differs or is a choice here:
   the key view and every crop and patch is a query (MoCo v2 has exactly one query per key);
 * the queue size (65536 for ImageNet in MoCo) is the recipe's: on small data sets a queue larger than the
   data set would hold several keys of the same image. It must be a multiple of the global batch;
-* one process: shuffled batch norm is a no-op (MoCo's is across GPUs only). With ``train.sync_batchnorm`` on
-  GPUs the key encoder's batch norm is synchronised and the shuffle changes nothing, but does no harm;
+* ``moco.bn_splits`` (``null``: :func:`auto_bn_splits`, sub-batches of 32 images or more, up to 8 of them, as
+  each of MoCo's 8 GPUs normalised 32 images on ImageNet and its single-GPU CIFAR code split a batch of 512 in 8);
+  runs started before the setting existed keep the ``1`` they trained with when resumed;
+* ``train.sync_batchnorm`` does not apply: synchronised batch norm would normalise a query and its key with the
+  same global statistics (:func:`obow.training.build.synchronises_batchnorm`);
 * the key-encoder momentum is constant (MoCo v2), whatever ``model.teacher_momentum_schedule`` says.
 """
 
@@ -51,6 +79,38 @@ from obow.config import Config
 from obow.diagnostics import feature_diagnostics
 from obow.methods import LOSS_WEIGHTINGS
 from obow.methods.base import Method, StepOutput, check_views, ema_update_, group_weight
+from obow.methods.split_batchnorm import convert_split_batchnorm
+
+#: What ``moco.bn_splits: null`` aims for (:func:`auto_bn_splits`): sub-batches of at least this many images
+#: (MoCo's ImageNet runs: 32 per GPU), and at most this many of them (MoCo's single-GPU CIFAR code: 8 of 64).
+AUTO_SUB_BATCH, AUTO_MAX_SPLITS = 32, 8
+
+
+def auto_bn_splits(local_batch: int, processes: int) -> int:
+    """``moco.bn_splits`` when it is ``null``, for ``local_batch`` images per process and ``processes`` processes.
+
+    The most sub-batches, up to :data:`AUTO_MAX_SPLITS`, that divide the batch into equal sub-batches of at least
+    :data:`AUTO_SUB_BATCH` images (64 -> 2, 128 -> 4, 256 -> 8, 512 -> 8). A batch smaller than 64 gets, on one
+    process, the fewest sub-batches (2 to 8) of at least 2 images that divide it (8 -> 2), since one would leave
+    the leak; with several processes it gets 1, the shuffle across processes doing the work (MoCo's ImageNet
+    recipe: 8 GPUs of 32 images). 1 when nothing divides the batch (e.g. 7 on one process).
+    """
+    divides = [s for s in range(1, AUTO_MAX_SPLITS + 1) if local_batch % s == 0]
+    large = [s for s in divides if local_batch // s >= AUTO_SUB_BATCH]
+    if large and (max(large) > 1 or processes > 1):
+        return max(large)
+    if processes > 1:
+        return 1
+    return next((s for s in divides if s > 1 and local_batch // s >= 2), 1)
+
+
+def check_bn_splits(splits: int, local_batch: int) -> None:
+    """A ``ValueError`` naming both numbers unless ``splits`` divides the per-process batch ``local_batch``."""
+    if local_batch % splits != 0:
+        raise ValueError(
+            f"moco.bn_splits={splits} does not divide the batch of {local_batch} images per process into equal "
+            "sub-batches: choose a divisor of it (or null for the automatic choice)"
+        )
 
 
 def info_nce_loss(queries: Tensor, keys: Tensor, queue: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
@@ -98,6 +158,11 @@ class MoCoV2(Method):
         key_momentum: ``m`` of the key encoder's update ``m * key + (1 - m) * query`` (0.999).
         total_iterations: length of the run (kept for the method contract; the momentum is constant).
         loss_weighting: ``"group_sum"`` (OBoW's official combination of view groups) or ``"view_mean"``.
+        bn_splits: sub-batches of the query and key encoders' batch norm in training mode (their
+            ``nn.BatchNorm2d`` become :class:`~obow.methods.split_batchnorm.SplitBatchNorm2d`, same
+            ``state_dict``); with ``bn_splits > 1`` the keys of a random permutation of the batch are encoded
+            (see the module's docstring). ``1``: plain batch norm and, on one process, no shuffle (leaky).
+            Every batch must divide into it.
 
     Buffers: ``queue`` ``[Q, dim]`` (rows: keys, L2-normalised; random unit vectors at the start, as in MoCo),
     ``queue_ptr`` (the row the next keys are written to) and ``iteration`` (training steps done).
@@ -114,6 +179,7 @@ class MoCoV2(Method):
         key_momentum: float = 0.999,
         total_iterations: int = 1,
         loss_weighting: str = "group_sum",
+        bn_splits: int = 1,
     ) -> None:
         super().__init__()
         for name, value in (("dim", dim), ("queue_size", queue_size), ("total_iterations", total_iterations)):
@@ -125,8 +191,11 @@ class MoCoV2(Method):
         check_positive("temperature", temperature)
         check_unit_interval("key_momentum", key_momentum)
         check_choice("loss_weighting", loss_weighting, LOSS_WEIGHTINGS)
+        if isinstance(bn_splits, bool) or not isinstance(bn_splits, int) or bn_splits < 1:
+            raise ValueError(f"bn_splits must be a positive integer, got {bn_splits!r}")
         width = student.num_features
-        self.student = student
+        self.bn_splits = bn_splits
+        self.student = convert_split_batchnorm(student, bn_splits)
         self.teacher = copy.deepcopy(student).requires_grad_(False)
         self.projector = projection_head(width, hidden_dim or width, dim)
         self.key_projector = copy.deepcopy(self.projector).requires_grad_(False)
@@ -140,8 +209,14 @@ class MoCoV2(Method):
 
     @classmethod
     def from_config(cls, cfg: Config, total_iterations: int) -> MoCoV2:
-        """The model of a whole :class:`~obow.config.Config`: ``model`` (backbone, loss weighting) and ``moco``."""
+        """The model of a whole :class:`~obow.config.Config`: ``model`` (backbone, loss weighting) and ``moco``
+        (``moco.bn_splits: null``: :func:`auto_bn_splits` of this process's share of ``data.batch_size``, which
+        ``moco.bn_splits`` must divide)."""
         m, moco = cfg.model, cfg.moco
+        processes = D.world_size()
+        local_batch = cfg.data.batch_size // processes
+        splits = moco.bn_splits if moco.bn_splits is not None else auto_bn_splits(local_batch, processes)
+        check_bn_splits(splits, local_batch)
         return cls(
             build_backbone(m.arch, m.stem, m.arch_options),
             dim=moco.dim,
@@ -151,6 +226,7 @@ class MoCoV2(Method):
             key_momentum=moco.key_momentum,
             total_iterations=total_iterations,
             loss_weighting=m.loss_weighting,
+            bn_splits=splits,
         )
 
     @torch.no_grad()
@@ -164,14 +240,22 @@ class MoCoV2(Method):
     def compute_keys(self, images: Tensor) -> tuple[Tensor, Tensor]:
         """``(local keys [b, dim], every process's keys [world * b, dim] in rank order)``, L2-normalised.
 
-        With several processes this is MoCo's shuffled batch norm: the global batch is gathered, permuted by a
+        MoCo's shuffled batch norm. With several processes the global batch is gathered, permuted by a
         permutation drawn on rank 0 and broadcast, each process encodes its slice of the permuted batch (so
         the key encoder's batch statistics mix images of all processes, and a query cannot find its key by
         the statistics of its own small batch), then the keys are gathered and put back in the original order.
-        Every process must hold the same number of images. With one process the batch is encoded as it is.
+        Every process must hold the same number of images. With one process and ``bn_splits > 1`` the batch is
+        permuted and encoded (its sub-batches thus random sets of images), and the keys put back in order; with
+        ``bn_splits=1``, or in evaluation mode (running statistics: nothing to shuffle), it is encoded as it is.
         """
         if not D.is_distributed():
-            keys = self._encode_keys(images)
+            if self.bn_splits == 1 or not self.training:
+                keys = self._encode_keys(images)
+                return keys, keys
+            perm = torch.randperm(images.shape[0], device=images.device)
+            shuffled = self._encode_keys(images[perm])
+            keys = torch.empty_like(shuffled)
+            keys[perm] = shuffled  # row j of shuffled is the key of image perm[j]
             return keys, keys
         rank, local = D.rank(), images.shape[0]
         everything = D.all_gather_cat(images)

@@ -24,7 +24,7 @@ from obow.methods import build_batched_views, build_method, build_views, views_s
 from obow.methods.base import Method
 from obow.training.logger import log_main
 from obow.training.precision import check_precision
-from obow.training.state import RunError
+from obow.training.state import RunError, as_it_ran
 
 __all__ = [
     "build_data",
@@ -33,8 +33,10 @@ __all__ = [
     "data_pipeline",
     "prepare_step_model",
     "resolve_pipeline",
+    "settle_bn_splits",
     "settle_pipeline",
     "setup_process",
+    "synchronises_batchnorm",
 ]
 
 
@@ -156,8 +158,40 @@ def settle_pipeline(cfg: Config, device: torch.device, started_with: dict[str, A
     return settled(cfg, pipeline)
 
 
+def settle_bn_splits(cfg: Config, started_with: dict[str, Any] | None) -> Config:
+    """``cfg`` with a MoCo v2 run's ``moco.bn_splits: null`` made concrete: a run being resumed keeps what it started
+    with (``started_with``, :func:`obow.training.state.started_config`'s; a run started before the setting existed
+    trained with plain batch norm and keeps ``1``: changing it half-way would change the method), a new run takes
+    :func:`~obow.methods.mocov2.auto_bn_splits` of its per-process batch. ``config.yaml`` and the checkpoint then
+    hold it. Other methods, and a value given, are left as they are."""
+    if cfg.model.method != "mocov2" or cfg.moco.bn_splits is not None:
+        return cfg
+    from obow.methods.mocov2 import auto_bn_splits
+
+    processes = D.world_size()
+    local_batch = cfg.data.batch_size // processes
+    started = (as_it_ran(started_with or {}).get("moco") or {}).get("bn_splits")
+    if started_with is not None and started is not None:
+        unrecorded = "bn_splits" not in (started_with.get("moco") or {})
+        splits, why = started, "as the run started" + (", before the setting existed" if unrecorded else "")
+    else:
+        splits = auto_bn_splits(local_batch, processes)
+        why = f"sub-batches of {local_batch // splits} of the {local_batch} images per process"
+    log_main("MoCo: moco.bn_splits=null -> %d (%s)", splits, why)
+    return dataclasses.replace(cfg, moco=dataclasses.replace(cfg.moco, bn_splits=splits))
+
+
 def settled(cfg: Config, pipeline: str) -> Config:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pipeline=pipeline))
+
+
+def synchronises_batchnorm(cfg: Config, device: torch.device) -> bool:
+    """Whether :func:`build_model` makes the student's and teacher's batch norm ``SyncBatchNorm``: with
+    ``train.sync_batchnorm`` on several GPUs, except for MoCo v2, whose query and key would then be normalised
+    with the statistics of the same (global) batch, undoing its shuffled batch norm (the leak,
+    :mod:`obow.methods.mocov2`; MoCo's code keeps each GPU's own statistics)."""
+    wanted = cfg.train.sync_batchnorm and cfg.model.method != "mocov2"
+    return wanted and D.is_distributed() and device.type == "cuda"
 
 
 def build_model(cfg: Config, total_iterations: int, device: torch.device, resuming: bool = False) -> Method:
@@ -166,7 +200,7 @@ def build_model(cfg: Config, total_iterations: int, device: torch.device, resumi
     weights come from a checkpoint next (so BoWNet does not read its teacher file)."""
     torch.manual_seed(cfg.train.seed)
     model = build_method(cfg, total_iterations, resuming=resuming)
-    if D.is_distributed() and device.type == "cuda" and cfg.train.sync_batchnorm:
+    if synchronises_batchnorm(cfg, device):
         model.student = nn.SyncBatchNorm.convert_sync_batchnorm(model.student)
         if model.teacher is not None:
             model.teacher = nn.SyncBatchNorm.convert_sync_batchnorm(model.teacher)

@@ -43,6 +43,7 @@ from obow.training.build import (
     build_optimizer,
     data_pipeline,
     prepare_step_model,
+    settle_bn_splits,
     settle_pipeline,
     setup_process,
 )
@@ -172,6 +173,7 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
     with RunLock(out, device=device):  # one writer per run folder, from here to the end
         started_with = started_config(out)
         cfg = settle_pipeline(settle_precision(cfg, device, started_with), device, started_with)
+        cfg = settle_bn_splits(cfg, started_with)
         with chosen_threads(cfg, workers=data_pipeline(cfg, device) == "workers"):
             return train_in_lock(cfg, out, device, monitor)
 

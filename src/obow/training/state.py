@@ -271,8 +271,8 @@ def save_run(
 def check_same_run(cfg: Config, saved: dict[str, Any], path: Path) -> int | None:
     """Refuse to resume a checkpoint whose run-defining settings differ from ``cfg``; one change is allowed,
     a larger ``optim.epochs`` (extending the run: the checkpoint's planned epochs are returned, else ``None``)."""
-    try:  # settings added after the checkpoint was written count as their defaults
-        saved = to_dict(from_dict(Config, saved))
+    try:  # settings added after the checkpoint was written count as their defaults, or as what the run did
+        saved = to_dict(from_dict(Config, as_it_ran(saved)))
     except ValueError:
         pass
     now, before = flatten(to_dict(cfg)), flatten(saved)
@@ -290,6 +290,15 @@ def check_same_run(cfg: Config, saved: dict[str, Any], path: Path) -> int | None
             "or the same settings to resume this one (optim.epochs may grow, to extend the run)"
         )
     return extended_from
+
+
+def as_it_ran(saved: dict[str, Any]) -> dict[str, Any]:
+    """A run's saved configuration with the settings added since, whose default is not what the run did, set to
+    what it did: a MoCo v2 run without ``moco.bn_splits`` normalised with plain batch norm (``1``)."""
+    model, moco = saved.get("model") or {}, saved.get("moco") or {}
+    if model.get("method") == "mocov2" and "bn_splits" not in moco:
+        return {**saved, "moco": {**moco, "bn_splits": 1}}
+    return saved
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Rough edges a newcomer hit (issue "A first hour that convinces", item 6): each test fails on the old code."""
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -249,3 +250,87 @@ def test_an_omp_num_threads_that_is_not_a_number_is_said_in_one_line(tmp_path, m
     (line,) = [x for x in result.err.splitlines() if "OMP_NUM_THREADS" in x and "zz" in x]
     assert line.startswith("WARNING Threads: OMP_NUM_THREADS='zz' is not a whole number of threads above 0, so it is")
     assert "ignored; set it to one (e.g. OMP_NUM_THREADS=2) or use train.threads" in line
+
+
+# ------------------------------------------------------------------------------------ issue 45: the obow command
+
+
+def _parsers(parser):
+    """``parser`` and every sub-command's parser below it."""
+    import argparse
+
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_an_override_after_a_list_option_is_an_override_not_a_value():
+    from obow.cli import build_parser, parse_args
+
+    line = ["tables", "run", "table1", "--data", "D", "--minutes", "5", "--seeds", "0", "1", "optim.lr=0.1"]
+    args = parse_args(build_parser(), [*line, "--rows", "2", "3", "model.num_words=64", "--out", "runs/a=1"])
+    assert args.seeds == [0, 1] and args.rows == ["2", "3"] and args.out == "runs/a=1"
+    assert args.overrides == ["optim.lr=0.1", "model.num_words=64"]
+    args = parse_args(build_parser(), ["pretrain", "a.b=1", "--data", "D", "c=2", "--config", "R"])
+    assert (args.data, args.config, args.overrides) == ("D", "R", ["a.b=1", "c=2"])
+
+
+def test_every_parser_of_the_command_takes_whole_option_names_only(capsys):
+    from obow.cli import build_parser
+
+    parsers = list(_parsers(build_parser()))
+    assert len(parsers) > 15 and all(not p.allow_abbrev for p in parsers)
+    with pytest.raises(SystemExit) as refused:
+        main(["tables", "run", "table1", "--data", "D", "--minute", "5"])
+    assert refused.value.code == 2 and "--minute" in capsys.readouterr().err
+
+
+def _table_folder(tmp_path, write_images, recipe):
+    data = tmp_path / "data"
+    write_images(data / "train", per_class=8, size=28)
+    write_images(data / "test", per_class=4, size=28, seed=1)
+    return [
+        "tables",
+        "run",
+        "table3",
+        "--data",
+        data,
+        "--recipe",
+        recipe,
+        "--out",
+        tmp_path / "t",
+        "--rows",
+        "1",
+        "model.border=0",
+    ]
+
+
+def test_a_folder_planned_for_a_wrong_budget_is_planned_again_with_replan(
+    tmp_path, write_images, tiny_recipe, obow_cli
+):
+    line = _table_folder(tmp_path, write_images, tiny_recipe)
+    folder = tmp_path / "t" / "table3"
+    obow_cli(*line, "--budget", "3", "--plan-only")
+    refused = obow_cli(*line, "--budget", "1", "--plan-only", check=False)
+    assert refused.code == 2
+    (error,) = refused.err.strip().splitlines()
+    assert "planned for 3 epochs a row and 2 steps an epoch; this call asks for 1 epoch and 2" in error
+    assert "{" not in error and "--replan" in error
+    obow_cli(*line, "--budget", "1", "--plan-only", "--replan")
+    plan = json.loads((folder / "plan.json").read_text())
+    assert plan["budget"] == {"epochs": 1} and plan["stages"]["soft_dynamic/pretrain"]["epochs"] == 1
+    (folder / "soft_dynamic" / "seed0").mkdir(parents=True)
+    (folder / "soft_dynamic" / "seed0" / "config.yaml").write_text("{}")  # a row that began training
+    refused = obow_cli(*line, "--budget", "3", "--plan-only", "--replan", check=False)
+    assert refused.code == 2 and "has rows that trained for its plan (soft_dynamic/seed0)" in refused.err
+    assert json.loads((folder / "plan.json").read_text())["budget"] == {"epochs": 1}  # kept
+
+
+def test_a_budget_reads_as_words():
+    from obow.experiments.tables.plan import budget_text
+
+    assert budget_text({"minutes": 25.0}) == "25 minutes" and budget_text({"minutes": 0.5}) == "0.5 minutes"
+    assert budget_text({"epochs": 3}) == "3 epochs" and budget_text({"epochs": 1}) == "1 epoch"
+    assert budget_text({"minutes": 1}) == "1 minute"

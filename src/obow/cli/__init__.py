@@ -20,8 +20,10 @@ import errno
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from obow.notices import route_warnings
 
@@ -74,22 +76,46 @@ def os_error_line(err: OSError) -> str:
     return f"{path}: {err.strerror}"
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    """``parser.parse_args``, except that ``key=value`` overrides may also come after options.
+#: A ``key=value`` override: a dotted setting name, ``=``, then anything (a path such as ``runs/a=1`` is not one).
+OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")
 
-    argparse fills a positional list once, so ``--out X a=1 --config R b=2`` would leave ``b=2``
-    unrecognised; such leftovers join the command's overrides. Any other leftover is an error, as before.
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that takes options by their full names only (``--minute`` is not ``--minutes``); its
+    sub-commands' parsers are of this class too (``add_subparsers`` makes them of the parser's class)."""
+
+    def __init__(self, *args: Any, allow_abbrev: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+
+def takes_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> bool:
+    """Whether the command that ``argv`` names (``pretrain``, ``tables run``, ...) has ``key=value`` overrides."""
+    for token in argv:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if subs and token in subs[0].choices:
+            parser = subs[0].choices[token]
+        elif not token.startswith("-"):
+            break
+    return any(action.dest == "overrides" for action in parser._actions)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args``, except that ``key=value`` overrides may stand anywhere on the line.
+
+    argparse fills a positional list once, so ``--out X a=1 --config R b=2`` would leave ``b=2`` unrecognised,
+    and an option of several values takes what follows it (``--seeds 0 optim.lr=0.1`` would read the override
+    as a seed): for a command with overrides, every ``key=value`` item is taken out of the line before it is
+    parsed and joins the command's overrides, in its order. Any other leftover is an error.
     """
-    args, extra = parser.parse_known_args(argv)
-    overrides = [item for item in extra if "=" in item and not item.startswith("-")]
-    others = [item for item in extra if item not in overrides]
-    if overrides and not hasattr(args, "overrides"):
-        others = extra
-    if others:
-        parser.error(f"unrecognized arguments: {' '.join(others)}")
-    if overrides:
-        args.overrides = [*args.overrides, *overrides]
-    return args
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if takes_overrides(parser, argv):
+        overrides = [item for item in argv if OVERRIDE.match(item)]
+        args = parser.parse_args([item for item in argv if not OVERRIDE.match(item)])
+        if args.overrides:  # what the positional list took is no override
+            parser.error(f"unrecognized arguments: {' '.join(args.overrides)}")
+        args.overrides = overrides
+        return args
+    return parser.parse_args(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     from obow.cli.show import add_show_parser
     from obow.cli.weights import add_export_parser, add_import_parser
 
-    parser = argparse.ArgumentParser(prog="obow", description="OBoW self-supervised pretraining and evaluation")
+    parser = Parser(prog="obow", description="OBoW self-supervised pretraining and evaluation")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
 
     p = sub.add_parser("pretrain", help="pretrain a network with OBoW on a folder of images")
@@ -149,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--episodes", type=int, default=200, help="few-shot episodes (default 200)")
     r.add_argument(
         "--plan-only", action="store_true", help="time the rows and write plan.json, train nothing (see docs)"
+    )
+    r.add_argument(
+        "--replan",
+        action="store_true",
+        help="discard the folder's plan.json and plan again (a wrong budget), while no row has trained there",
     )
     r.add_argument(
         "--timing-from",
@@ -361,6 +392,7 @@ def cmd_tables_run(args: argparse.Namespace) -> int:
             shared_from=args.shared_from,
             jobs=args.jobs,
             time_against=args.time_against,
+            replan=args.replan,
         )
     except Interrupted as err:
         return err.exit_code

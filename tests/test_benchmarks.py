@@ -256,3 +256,18 @@ def test_step_ops_counts_each_steps_operations_by_call_site(throughput, tmp_path
     assert views["total"] > 0 and views["host"] > 0
     assert all(site.startswith("data.batched_views") for site in views["sites"])
     assert json.loads((tmp_path / "ops.json").read_text())["step (unlogged)"]["total"] == unlogged["total"]
+
+
+def test_the_throughput_commands_the_docs_give_parse(throughput):
+    """Issue 45: docs/gpu.md gave `--steps 3-4` and no --config or --data."""
+    import re
+    import shlex
+
+    found = 0
+    for page in sorted((BENCHMARKS.parent / "docs").glob("*.md")):
+        text = page.read_text()
+        inline = re.findall(r"`python benchmarks/throughput\.py([^`]*)`", text)
+        for command in inline + re.findall(r"^python benchmarks/throughput\.py([^#\n]*)", text, re.M):
+            throughput.build_parser().parse_args(shlex.split(command))  # argparse exits on a wrong command
+            found += 1
+    assert found >= 3

@@ -334,3 +334,22 @@ def test_a_budget_reads_as_words():
     assert budget_text({"minutes": 25.0}) == "25 minutes" and budget_text({"minutes": 0.5}) == "0.5 minutes"
     assert budget_text({"epochs": 3}) == "3 epochs" and budget_text({"epochs": 1}) == "1 epoch"
     assert budget_text({"minutes": 1}) == "1 minute"
+
+
+def test_show_run_writes_curves_png_in_the_run_when_no_out_is_given(tiny_run, tmp_path, obow_cli):
+    run = tiny_run.copy(tmp_path / "run")
+    result = obow_cli("show", "run", run)
+    assert result.out.strip() == f"wrote {run / 'curves.png'}" and (run / "curves.png").is_file()
+
+
+def test_every_panel_title_of_show_run_stays_over_its_panel(tiny_run):
+    from obow.show.run_plots import read_run, runs_figure
+
+    fig = runs_figure([read_run(tiny_run.out)])
+    renderer = fig.canvas.get_renderer()
+    titled = [ax for ax in fig.axes if ax.get_title()]
+    assert any("spread of the student's predicted BoWs" in ax.get_title() for ax in titled)
+    for ax in titled:
+        title, panel = ax.title.get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert title.x0 >= 0 and title.x1 <= fig.bbox.x1, ax.get_title()  # inside the picture
+        assert title.width <= panel.width, ax.get_title()  # no wider than its panel: it reaches no neighbour

@@ -139,7 +139,7 @@ def test_under_torchrun_only_the_main_process_prints_what_is_next(tmp_path, monk
     assert "done:" not in capsys.readouterr().out
     monkeypatch.setenv("RANK", "0")
     assert main([*args, "--out", str(tmp_path / "r0")]) == 0
-    assert "done: 1 epochs" in capsys.readouterr().out
+    assert "done: 1 epoch, checkpoint" in capsys.readouterr().out  # not "1 epochs" (issue 45)
 
 
 def test_show_words_leaves_out_unused_words_and_titles_the_picture(tmp_path):
@@ -353,3 +353,33 @@ def test_every_panel_title_of_show_run_stays_over_its_panel(tiny_run):
         title, panel = ax.title.get_window_extent(renderer), ax.get_window_extent(renderer)
         assert title.x0 >= 0 and title.x1 <= fig.bbox.x1, ax.get_title()  # inside the picture
         assert title.width <= panel.width, ax.get_title()  # no wider than its panel: it reaches no neighbour
+
+
+def test_a_finished_run_started_again_says_it_is_finished(tiny_run, tmp_path, obow_cli):
+    run = tiny_run.copy(tmp_path / "run")
+    args = [*tiny_run.args[:-2], run, "optim.epochs=2"]  # its own command line, on the copy
+    assert tiny_run.args[-2] == tiny_run.out
+    result = obow_cli(*args)
+    assert f"{run} is finished (6 of 6 iterations); raise optim.epochs to extend it" in result.err  # 2 epochs of 3
+    assert "Resuming" not in result.err and "done: 2 epochs" in result.out
+
+
+def test_an_export_without_its_sidecar_is_evaluated_without_epoch_none(tmp_path, obow_cli):
+    obow_cli("export", "--checkpoint", V1 / "checkpoint_epoch1.pt", "--out", tmp_path / "b.pth")
+    (tmp_path / "b.pth.json").unlink()
+    data = tmp_path / "data"
+    for split in ("train", "val"):
+        shutil.copytree(V1 / "images", data / split)
+    args = ["eval", "knn", "--backbone", tmp_path / "b.pth", "--data", data, "--k", "3", "--workers", "0"]
+    (header,) = [line for line in obow_cli(*args).out.splitlines() if line.startswith("knn: ")]
+    assert f"exported of {tmp_path / 'b.pth'}, view" in header and "None" not in header
+
+
+def test_obow_help_names_every_export_format(capsys):
+    from obow.cli.common import FORMATS
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    printed = " ".join(capsys.readouterr().out.split())  # argparse wraps the help's lines
+    entry = printed[printed.index(" export ") :].split(" import-official ")[0]
+    assert all(fmt in entry.lower() for fmt in FORMATS), entry

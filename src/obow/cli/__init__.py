@@ -275,7 +275,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         return err.exit_code
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, the main process alone says what is next
         return 0
-    print(f"done: {result['epochs']} epochs, checkpoint {result['checkpoint']}")
+    epochs = result["epochs"]
+    print(f"done: {epochs} epoch{'' if epochs == 1 else 's'}, checkpoint {result['checkpoint']}")
     print(f"next: obow eval knn --checkpoint {result['checkpoint']} --data <folder with train/ and val/>")
     print(f"      obow export --checkpoint {result['checkpoint']} --out {out / 'backbone.pth'}")
     return 0

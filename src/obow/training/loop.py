@@ -187,7 +187,12 @@ def train_in_lock(cfg: Config, out: Path, device: torch.device, monitor: Monitor
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
     state = start_or_resume(ckpt, model, optimizer, scaler, images, cfg, device, out)
     if state.epoch >= cfg.optim.epochs:
-        log_main("The run in %s is already complete (%d epochs); nothing to do", out, state.epoch)
+        log_main(
+            "%s is finished (%d of %d iterations); raise optim.epochs to extend it",
+            out,
+            state.iteration,
+            total_iters,
+        )
         return summary(out, state)
 
     step_model = prepare_step_model(model, cfg, device)

@@ -383,3 +383,30 @@ def test_obow_help_names_every_export_format(capsys):
     printed = " ".join(capsys.readouterr().out.split())  # argparse wraps the help's lines
     entry = printed[printed.index(" export ") :].split(" import-official ")[0]
     assert all(fmt in entry.lower() for fmt in FORMATS), entry
+
+
+@pytest.mark.parametrize(
+    ("item", "expected"),
+    [
+        ("optim.lr=", "an empty value was given for optim.lr, which takes a number (e.g. 0.05 or 1/15)"),
+        ("data.batch_size=", "an empty value was given for data.batch_size, which takes an integer"),
+        ("model.levels=", "an empty value was given for model.levels, which takes a list of strings"),
+        ("train.deterministic=", "an empty value was given for train.deterministic, which takes true or false"),
+    ],
+)
+def test_an_empty_override_says_it_is_empty_and_what_the_setting_takes(item, expected):
+    from obow.config import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        load_config("cifar10_fast", [item])
+    assert str(refused.value) == expected
+    assert load_config("cifar10_fast", ["model.temperature_init="]).model.temperature_init is None  # may be empty
+
+
+def test_the_recipes_page_says_num_words_is_a_multiple_of_the_batch():
+    from obow.config import ConfigError
+
+    page = " ".join((Path(__file__).parents[1] / "docs" / "recipes.md").read_text().split())
+    assert "`model.num_words` must be a multiple of `data.batch_size`" in page
+    with pytest.raises(ConfigError, match=r"^model.num_words \(500\) must be a multiple of data.batch_size \(128\)"):
+        load_config("cifar10_fast", ["model.num_words=500"])

@@ -410,3 +410,13 @@ def test_the_recipes_page_says_num_words_is_a_multiple_of_the_batch():
     assert "`model.num_words` must be a multiple of `data.batch_size`" in page
     with pytest.raises(ConfigError, match=r"^model.num_words \(500\) must be a multiple of data.batch_size \(128\)"):
         load_config("cifar10_fast", ["model.num_words=500"])
+
+
+def test_an_empty_data_folder_is_one_line_and_leaves_no_run_folder(tmp_path, tiny_recipe, obow_cli):
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "run"
+    result = obow_cli("pretrain", "--config", tiny_recipe, "--data", tmp_path / "empty", "--out", out, check=False)
+    assert result.code == 2
+    (line,) = [x for x in result.err.splitlines() if "error" in x]
+    assert line.startswith(f"obow: error: no images found under {tmp_path / 'empty'}") and "Traceback" not in result.err
+    assert not out.exists()  # no config.yaml, no lock

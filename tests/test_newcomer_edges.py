@@ -420,3 +420,20 @@ def test_an_empty_data_folder_is_one_line_and_leaves_no_run_folder(tmp_path, tin
     (line,) = [x for x in result.err.splitlines() if "error" in x]
     assert line.startswith(f"obow: error: no images found under {tmp_path / 'empty'}") and "Traceback" not in result.err
     assert not out.exists()  # no config.yaml, no lock
+
+
+@pytest.mark.parametrize("name", ["cifar10_fast", "imagenet_resnet50_full"])
+def test_recipes_name_prints_every_setting_of_the_resolved_recipe_under_its_header(name, tmp_path, obow_cli):
+    import yaml
+
+    from obow.config import RECIPES_DIR
+    from obow.config.schema import to_dict
+
+    printed = obow_cli("recipes", name).out
+    first_comment = (RECIPES_DIR / f"{name}.yaml").read_text().splitlines()[0]
+    assert printed.startswith(first_comment + "\n") and "\nbase:" not in printed
+    settings = yaml.safe_load(printed)
+    assert settings == to_dict(load_config(name))  # base and defaults applied: every section, every key
+    assert {"model", "views", "data", "optim", "train"} <= set(settings)
+    (tmp_path / "again.yaml").write_text(printed)
+    assert load_config(tmp_path / "again.yaml") == load_config(name)  # what it prints is the recipe itself

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import itertools
 import json
 import logging
 import os
@@ -295,13 +296,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from obow.config import RECIPES_DIR, ConfigError, available_recipes
+    import yaml
+
+    from obow.config import RECIPES_DIR, ConfigError, available_recipes, load_config
+    from obow.config.schema import to_dict
 
     if args.name:
         path = RECIPES_DIR / f"{args.name}.yaml"
         if not path.exists():
             raise ConfigError(f"unknown recipe {args.name!r}; choose one of: {', '.join(available_recipes())}")
-        print(path.read_text())
+        text = path.read_text()
+        header = itertools.takewhile(lambda line: line.startswith("#"), text.splitlines())  # what it is for
+        base = (yaml.safe_load(text) or {}).get("base")
+        print("\n".join(header))
+        start = f"{base}'s settings with this recipe's changes" if base else "this recipe's settings"
+        print(f"# Every setting of a run of {args.name}:\n# {start}, obow's defaults for the rest.")
+        print(yaml.safe_dump(to_dict(load_config(args.name)), sort_keys=False, default_flow_style=None, width=116))
         return 0
     for name, description in available_recipes().items():
         print(f"{name:30s} {description}")

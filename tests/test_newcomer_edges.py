@@ -437,3 +437,29 @@ def test_recipes_name_prints_every_setting_of_the_resolved_recipe_under_its_head
     assert {"model", "views", "data", "optim", "train"} <= set(settings)
     (tmp_path / "again.yaml").write_text(printed)
     assert load_config(tmp_path / "again.yaml") == load_config(name)  # what it prints is the recipe itself
+
+
+def test_a_log_line_during_a_progress_bar_starts_on_its_own_line(monkeypatch, capsys):
+    import sys
+
+    from tqdm import tqdm
+
+    import obow.cli
+
+    def command(args):
+        with tqdm(total=3, file=sys.stderr, ascii=True, desc="epoch 1/2") as bar:
+            bar.update(1)
+            logging.getLogger("obow").warning("a warning mid-epoch")
+            bar.update(2)
+        return 0
+
+    monkeypatch.setattr(obow.cli, "cmd_recipes", command)
+    handler = logging.StreamHandler(sys.stderr)  # the console handler that logging.basicConfig makes outside pytest
+    logging.root.addHandler(handler)
+    try:
+        assert main(["recipes"]) == 0
+    finally:
+        logging.root.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert err.count("a warning mid-epoch") == 1
+    assert err[: err.index("a warning mid-epoch")].endswith(("\r", "\n"))  # the bar cleared first, not "...it/s]a"

@@ -16,6 +16,7 @@ command imports what it needs when it runs. ``key=value`` overrides may stand an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import itertools
 import json
@@ -44,13 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    # A log line (and so a warning) on the console clears the progress bar first instead of being glued onto it;
+    # tqdm's redirect adds a console handler where there is none (pytest's), so it is used only where there is one.
+    console = any(
+        isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr) for h in logging.root.handlers
+    )
     try:
-        return int(args.func(args) or 0)
+        with logging_redirect_tqdm() if console else contextlib.nullcontext():
+            return int(args.func(args) or 0)
     except (ValueError, RuntimeError) as err:  # ConfigError is a ValueError, WriteError a RuntimeError
-        print(f"obow: error: {one_line(err)}", file=sys.stderr)
+        tqdm.write(f"obow: error: {one_line(err)}", file=sys.stderr)  # on its own line, a bar still open or not
         return 2
     except OSError as err:  # a file operation that no command wraps with its own message
-        print(f"obow: error: {os_error_line(err)}", file=sys.stderr)
+        tqdm.write(f"obow: error: {os_error_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -126,7 +126,8 @@ def benchmark_config(
     return load_config(config, [*items, *overrides])
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_benchmarks.py parses the docs' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--data", required=True, help="a folder of training images")
@@ -149,7 +150,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "pretrain) or on every step (as before 2026-11-27); both: compared in the same rounds",
     )
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True

@@ -274,3 +274,18 @@ def test_step_ops_charges_operations_to_obows_files_when_torch_lives_under_a_fol
     counter = step_ops.count(lambda: scope["kl_to_mean_bow"](x))
     assert counter.sites == {"bow.targets:kl_to_mean_bow": 2}
     assert counter.operators == {"add": 1, "mul": 1}
+
+
+def test_the_throughput_commands_the_docs_give_parse(throughput):
+    """Issue 45: docs/gpu.md gave `--steps 3-4` and no --config or --data."""
+    import re
+    import shlex
+
+    found = 0
+    for page in sorted((BENCHMARKS.parent / "docs").glob("*.md")):
+        text = page.read_text()
+        inline = re.findall(r"`python benchmarks/throughput\.py([^`]*)`", text)
+        for command in inline + re.findall(r"^python benchmarks/throughput\.py([^#\n]*)", text, re.M):
+            throughput.build_parser().parse_args(shlex.split(command))  # argparse exits on a wrong command
+            found += 1
+    assert found >= 3

@@ -58,7 +58,7 @@ def test_pretrain_writes_checkpoint_logs_and_monitor(tiny_run, obow_cli, read_lo
     # running the same command again (on a copy of the shared run): the run is complete, nothing is redone
     again = tiny_run.copy(tmp_path / "again")
     args = [str(again) if str(a) == str(out) else a for a in tiny_run.args]
-    assert "already complete" in obow_cli(*args).err
+    assert "is finished (6 of 6 iterations)" in obow_cli(*args).err
     assert load_checkpoint(again / "checkpoint.pt")["iteration"] == 6
     assert read_log(again) == records
 

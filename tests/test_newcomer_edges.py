@@ -1,5 +1,6 @@
 """Rough edges a newcomer hit (issue "A first hour that convinces", item 6): each test fails on the old code."""
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -138,7 +139,7 @@ def test_under_torchrun_only_the_main_process_prints_what_is_next(tmp_path, monk
     assert "done:" not in capsys.readouterr().out
     monkeypatch.setenv("RANK", "0")
     assert main([*args, "--out", str(tmp_path / "r0")]) == 0
-    assert "done: 1 epochs" in capsys.readouterr().out
+    assert "done: 1 epoch, checkpoint" in capsys.readouterr().out  # not "1 epochs" (issue 45)
 
 
 def test_show_words_leaves_out_unused_words_and_titles_the_picture(tmp_path):
@@ -249,3 +250,216 @@ def test_an_omp_num_threads_that_is_not_a_number_is_said_in_one_line(tmp_path, m
     (line,) = [x for x in result.err.splitlines() if "OMP_NUM_THREADS" in x and "zz" in x]
     assert line.startswith("WARNING Threads: OMP_NUM_THREADS='zz' is not a whole number of threads above 0, so it is")
     assert "ignored; set it to one (e.g. OMP_NUM_THREADS=2) or use train.threads" in line
+
+
+# ------------------------------------------------------------------------------------ issue 45: the obow command
+
+
+def _parsers(parser):
+    """``parser`` and every sub-command's parser below it."""
+    import argparse
+
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_an_override_after_a_list_option_is_an_override_not_a_value():
+    from obow.cli import build_parser, parse_args
+
+    line = ["tables", "run", "table1", "--data", "D", "--minutes", "5", "--seeds", "0", "1", "optim.lr=0.1"]
+    args = parse_args(build_parser(), [*line, "--rows", "2", "3", "model.num_words=64", "--out", "runs/a=1"])
+    assert args.seeds == [0, 1] and args.rows == ["2", "3"] and args.out == "runs/a=1"
+    assert args.overrides == ["optim.lr=0.1", "model.num_words=64"]
+    args = parse_args(build_parser(), ["pretrain", "a.b=1", "--data", "D", "c=2", "--config", "R"])
+    assert (args.data, args.config, args.overrides) == ("D", "R", ["a.b=1", "c=2"])
+
+
+def test_every_parser_of_the_command_takes_whole_option_names_only(capsys):
+    from obow.cli import build_parser
+
+    parsers = list(_parsers(build_parser()))
+    assert len(parsers) > 15 and all(not p.allow_abbrev for p in parsers)
+    with pytest.raises(SystemExit) as refused:
+        main(["tables", "run", "table1", "--data", "D", "--minute", "5"])
+    assert refused.value.code == 2 and "--minute" in capsys.readouterr().err
+
+
+def _table_folder(tmp_path, write_images, recipe):
+    data = tmp_path / "data"
+    write_images(data / "train", per_class=8, size=28)
+    write_images(data / "test", per_class=4, size=28, seed=1)
+    return [
+        "tables",
+        "run",
+        "table3",
+        "--data",
+        data,
+        "--recipe",
+        recipe,
+        "--out",
+        tmp_path / "t",
+        "--rows",
+        "1",
+        "model.border=0",
+    ]
+
+
+def test_a_folder_planned_for_a_wrong_budget_is_planned_again_with_replan(
+    tmp_path, write_images, tiny_recipe, obow_cli
+):
+    line = _table_folder(tmp_path, write_images, tiny_recipe)
+    folder = tmp_path / "t" / "table3"
+    obow_cli(*line, "--budget", "3", "--plan-only")
+    refused = obow_cli(*line, "--budget", "1", "--plan-only", check=False)
+    assert refused.code == 2
+    (error,) = refused.err.strip().splitlines()
+    assert "planned for 3 epochs a row and 2 steps an epoch; this call asks for 1 epoch and 2" in error
+    assert "{" not in error and "--replan" in error
+    obow_cli(*line, "--budget", "1", "--plan-only", "--replan")
+    plan = json.loads((folder / "plan.json").read_text())
+    assert plan["budget"] == {"epochs": 1} and plan["stages"]["soft_dynamic/pretrain"]["epochs"] == 1
+    (folder / "soft_dynamic" / "seed0").mkdir(parents=True)
+    (folder / "soft_dynamic" / "seed0" / "config.yaml").write_text("{}")  # a row that began training
+    refused = obow_cli(*line, "--budget", "3", "--plan-only", "--replan", check=False)
+    assert refused.code == 2 and "has rows that trained for its plan (soft_dynamic/seed0)" in refused.err
+    assert json.loads((folder / "plan.json").read_text())["budget"] == {"epochs": 1}  # kept
+
+
+def test_a_budget_reads_as_words():
+    from obow.experiments.tables.plan import budget_text
+
+    assert budget_text({"minutes": 25.0}) == "25 minutes" and budget_text({"minutes": 0.5}) == "0.5 minutes"
+    assert budget_text({"epochs": 3}) == "3 epochs" and budget_text({"epochs": 1}) == "1 epoch"
+    assert budget_text({"minutes": 1}) == "1 minute"
+
+
+def test_show_run_writes_curves_png_in_the_run_when_no_out_is_given(tiny_run, tmp_path, obow_cli):
+    run = tiny_run.copy(tmp_path / "run")
+    result = obow_cli("show", "run", run)
+    assert result.out.strip() == f"wrote {run / 'curves.png'}" and (run / "curves.png").is_file()
+
+
+def test_every_panel_title_of_show_run_stays_over_its_panel(tiny_run):
+    from obow.show.run_plots import read_run, runs_figure
+
+    fig = runs_figure([read_run(tiny_run.out)])
+    renderer = fig.canvas.get_renderer()
+    titled = [ax for ax in fig.axes if ax.get_title()]
+    assert any("spread of the student's predicted BoWs" in ax.get_title() for ax in titled)
+    for ax in titled:
+        title, panel = ax.title.get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert title.x0 >= 0 and title.x1 <= fig.bbox.x1, ax.get_title()  # inside the picture
+        assert title.width <= panel.width, ax.get_title()  # no wider than its panel: it reaches no neighbour
+
+
+def test_a_finished_run_started_again_says_it_is_finished(tiny_run, tmp_path, obow_cli):
+    run = tiny_run.copy(tmp_path / "run")
+    args = [*tiny_run.args[:-2], run, "optim.epochs=2"]  # its own command line, on the copy
+    assert tiny_run.args[-2] == tiny_run.out
+    result = obow_cli(*args)
+    assert f"{run} is finished (6 of 6 iterations); raise optim.epochs to extend it" in result.err  # 2 epochs of 3
+    assert "Resuming" not in result.err and "done: 2 epochs" in result.out
+
+
+def test_an_export_without_its_sidecar_is_evaluated_without_epoch_none(tmp_path, obow_cli):
+    obow_cli("export", "--checkpoint", V1 / "checkpoint_epoch1.pt", "--out", tmp_path / "b.pth")
+    (tmp_path / "b.pth.json").unlink()
+    data = tmp_path / "data"
+    for split in ("train", "val"):
+        shutil.copytree(V1 / "images", data / split)
+    args = ["eval", "knn", "--backbone", tmp_path / "b.pth", "--data", data, "--k", "3", "--workers", "0"]
+    (header,) = [line for line in obow_cli(*args).out.splitlines() if line.startswith("knn: ")]
+    assert f"exported of {tmp_path / 'b.pth'}, view" in header and "None" not in header
+
+
+def test_obow_help_names_every_export_format(capsys):
+    from obow.cli.common import FORMATS
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    printed = " ".join(capsys.readouterr().out.split())  # argparse wraps the help's lines
+    entry = printed[printed.index(" export ") :].split(" import-official ")[0]
+    assert all(fmt in entry.lower() for fmt in FORMATS), entry
+
+
+@pytest.mark.parametrize(
+    ("item", "expected"),
+    [
+        ("optim.lr=", "an empty value was given for optim.lr, which takes a number (e.g. 0.05 or 1/15)"),
+        ("data.batch_size=", "an empty value was given for data.batch_size, which takes an integer"),
+        ("model.levels=", "an empty value was given for model.levels, which takes a list of strings"),
+        ("train.deterministic=", "an empty value was given for train.deterministic, which takes true or false"),
+    ],
+)
+def test_an_empty_override_says_it_is_empty_and_what_the_setting_takes(item, expected):
+    from obow.config import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        load_config("cifar10_fast", [item])
+    assert str(refused.value) == expected
+    assert load_config("cifar10_fast", ["model.temperature_init="]).model.temperature_init is None  # may be empty
+
+
+def test_the_recipes_page_says_num_words_is_a_multiple_of_the_batch():
+    from obow.config import ConfigError
+
+    page = " ".join((Path(__file__).parents[1] / "docs" / "recipes.md").read_text().split())
+    assert "`model.num_words` must be a multiple of `data.batch_size`" in page
+    with pytest.raises(ConfigError, match=r"^model.num_words \(500\) must be a multiple of data.batch_size \(128\)"):
+        load_config("cifar10_fast", ["model.num_words=500"])
+
+
+def test_an_empty_data_folder_is_one_line_and_leaves_no_run_folder(tmp_path, tiny_recipe, obow_cli):
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "run"
+    result = obow_cli("pretrain", "--config", tiny_recipe, "--data", tmp_path / "empty", "--out", out, check=False)
+    assert result.code == 2
+    (line,) = [x for x in result.err.splitlines() if "error" in x]
+    assert line.startswith(f"obow: error: no images found under {tmp_path / 'empty'}") and "Traceback" not in result.err
+    assert not out.exists()  # no config.yaml, no lock
+
+
+@pytest.mark.parametrize("name", ["cifar10_fast", "imagenet_resnet50_full"])
+def test_recipes_name_prints_every_setting_of_the_resolved_recipe_under_its_header(name, tmp_path, obow_cli):
+    import yaml
+
+    from obow.config import RECIPES_DIR
+    from obow.config.schema import to_dict
+
+    printed = obow_cli("recipes", name).out
+    first_comment = (RECIPES_DIR / f"{name}.yaml").read_text().splitlines()[0]
+    assert printed.startswith(first_comment + "\n") and "\nbase:" not in printed
+    settings = yaml.safe_load(printed)
+    assert settings == to_dict(load_config(name))  # base and defaults applied: every section, every key
+    assert {"model", "views", "data", "optim", "train"} <= set(settings)
+    (tmp_path / "again.yaml").write_text(printed)
+    assert load_config(tmp_path / "again.yaml") == load_config(name)  # what it prints is the recipe itself
+
+
+def test_a_log_line_during_a_progress_bar_starts_on_its_own_line(monkeypatch, capsys):
+    import sys
+
+    from tqdm import tqdm
+
+    import obow.cli
+
+    def command(args):
+        with tqdm(total=3, file=sys.stderr, ascii=True, desc="epoch 1/2") as bar:
+            bar.update(1)
+            logging.getLogger("obow").warning("a warning mid-epoch")
+            bar.update(2)
+        return 0
+
+    monkeypatch.setattr(obow.cli, "cmd_recipes", command)
+    handler = logging.StreamHandler(sys.stderr)  # the console handler that logging.basicConfig makes outside pytest
+    logging.root.addHandler(handler)
+    try:
+        assert main(["recipes"]) == 0
+    finally:
+        logging.root.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert err.count("a warning mid-epoch") == 1
+    assert err[: err.index("a warning mid-epoch")].endswith(("\r", "\n"))  # the bar cleared first, not "...it/s]a"

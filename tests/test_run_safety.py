@@ -370,7 +370,7 @@ def test_a_signal_during_the_last_epochs_end_stops_the_command_after_a_complete_
     caplog.clear()
     with caplog.at_level("INFO", logger="obow"):  # the same command then goes on: nothing is trained again
         assert pretrain(cfg, out, monitor=SignalAtTheLastEpoch)["iteration"] == 4
-    assert "already complete" in caplog.text
+    assert "is finished (4 of 4 iterations); raise optim.epochs to extend it" in caplog.text
 
 
 class AbortWhilePickled:

@@ -16,12 +16,16 @@ command imports what it needs when it runs. ``key=value`` overrides may stand an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
+import itertools
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from obow.notices import route_warnings
 
@@ -41,13 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    # A log line (and so a warning) on the console clears the progress bar first instead of being glued onto it;
+    # tqdm's redirect adds a console handler where there is none (pytest's), so it is used only where there is one.
+    console = any(
+        isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr) for h in logging.root.handlers
+    )
     try:
-        return int(args.func(args) or 0)
+        with logging_redirect_tqdm() if console else contextlib.nullcontext():
+            return int(args.func(args) or 0)
     except (ValueError, RuntimeError) as err:  # ConfigError is a ValueError, WriteError a RuntimeError
-        print(f"obow: error: {one_line(err)}", file=sys.stderr)
+        tqdm.write(f"obow: error: {one_line(err)}", file=sys.stderr)  # on its own line, a bar still open or not
         return 2
     except OSError as err:  # a file operation that no command wraps with its own message
-        print(f"obow: error: {os_error_line(err)}", file=sys.stderr)
+        tqdm.write(f"obow: error: {os_error_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -74,22 +87,46 @@ def os_error_line(err: OSError) -> str:
     return f"{path}: {err.strerror}"
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    """``parser.parse_args``, except that ``key=value`` overrides may also come after options.
+#: A ``key=value`` override: a dotted setting name, ``=``, then anything (a path such as ``runs/a=1`` is not one).
+OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")
 
-    argparse fills a positional list once, so ``--out X a=1 --config R b=2`` would leave ``b=2``
-    unrecognised; such leftovers join the command's overrides. Any other leftover is an error, as before.
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that takes options by their full names only (``--minute`` is not ``--minutes``); its
+    sub-commands' parsers are of this class too (``add_subparsers`` makes them of the parser's class)."""
+
+    def __init__(self, *args: Any, allow_abbrev: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+
+def takes_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> bool:
+    """Whether the command that ``argv`` names (``pretrain``, ``tables run``, ...) has ``key=value`` overrides."""
+    for token in argv:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if subs and token in subs[0].choices:
+            parser = subs[0].choices[token]
+        elif not token.startswith("-"):
+            break
+    return any(action.dest == "overrides" for action in parser._actions)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args``, except that ``key=value`` overrides may stand anywhere on the line.
+
+    argparse fills a positional list once, so ``--out X a=1 --config R b=2`` would leave ``b=2`` unrecognised,
+    and an option of several values takes what follows it (``--seeds 0 optim.lr=0.1`` would read the override
+    as a seed): for a command with overrides, every ``key=value`` item is taken out of the line before it is
+    parsed and joins the command's overrides, in its order. Any other leftover is an error.
     """
-    args, extra = parser.parse_known_args(argv)
-    overrides = [item for item in extra if "=" in item and not item.startswith("-")]
-    others = [item for item in extra if item not in overrides]
-    if overrides and not hasattr(args, "overrides"):
-        others = extra
-    if others:
-        parser.error(f"unrecognized arguments: {' '.join(others)}")
-    if overrides:
-        args.overrides = [*args.overrides, *overrides]
-    return args
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if takes_overrides(parser, argv):
+        overrides = [item for item in argv if OVERRIDE.match(item)]
+        args = parser.parse_args([item for item in argv if not OVERRIDE.match(item)])
+        if args.overrides:  # what the positional list took is no override
+            parser.error(f"unrecognized arguments: {' '.join(args.overrides)}")
+        args.overrides = overrides
+        return args
+    return parser.parse_args(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     from obow.cli.show import add_show_parser
     from obow.cli.weights import add_export_parser, add_import_parser
 
-    parser = argparse.ArgumentParser(prog="obow", description="OBoW self-supervised pretraining and evaluation")
+    parser = Parser(prog="obow", description="OBoW self-supervised pretraining and evaluation")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
 
     p = sub.add_parser("pretrain", help="pretrain a network with OBoW on a folder of images")
@@ -149,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--episodes", type=int, default=200, help="few-shot episodes (default 200)")
     r.add_argument(
         "--plan-only", action="store_true", help="time the rows and write plan.json, train nothing (see docs)"
+    )
+    r.add_argument(
+        "--replan",
+        action="store_true",
+        help="discard the folder's plan.json and plan again (a wrong budget), while no row has trained there",
     )
     r.add_argument(
         "--timing-from",
@@ -244,7 +286,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         return err.exit_code
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, the main process alone says what is next
         return 0
-    print(f"done: {result['epochs']} epochs, checkpoint {result['checkpoint']}")
+    epochs = result["epochs"]
+    print(f"done: {epochs} epoch{'' if epochs == 1 else 's'}, checkpoint {result['checkpoint']}")
     print(f"next: obow eval knn --checkpoint {result['checkpoint']} --data <folder with train/ and val/>")
     print(f"      obow export --checkpoint {result['checkpoint']} --out {out / 'backbone.pth'}")
     return 0
@@ -263,13 +306,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from obow.config import RECIPES_DIR, ConfigError, available_recipes
+    import yaml
+
+    from obow.config import RECIPES_DIR, ConfigError, available_recipes, load_config
+    from obow.config.schema import to_dict
 
     if args.name:
         path = RECIPES_DIR / f"{args.name}.yaml"
         if not path.exists():
             raise ConfigError(f"unknown recipe {args.name!r}; choose one of: {', '.join(available_recipes())}")
-        print(path.read_text())
+        text = path.read_text()
+        header = itertools.takewhile(lambda line: line.startswith("#"), text.splitlines())  # what it is for
+        base = (yaml.safe_load(text) or {}).get("base")
+        print("\n".join(header))
+        start = f"{base}'s settings with this recipe's changes" if base else "this recipe's settings"
+        print(f"# Every setting of a run of {args.name}:\n# {start}, obow's defaults for the rest.")
+        print(yaml.safe_dump(to_dict(load_config(args.name)), sort_keys=False, default_flow_style=None, width=116))
         return 0
     for name, description in available_recipes().items():
         print(f"{name:30s} {description}")
@@ -361,6 +413,7 @@ def cmd_tables_run(args: argparse.Namespace) -> int:
             shared_from=args.shared_from,
             jobs=args.jobs,
             time_against=args.time_against,
+            replan=args.replan,
         )
     except Interrupted as err:
         return err.exit_code

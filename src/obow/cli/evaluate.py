@@ -522,7 +522,8 @@ class _Run:
         if source["kind"] == "random_init":
             what = f"random init (seed {source['seed']})"
         else:
-            what = f"{source['network'] or 'exported'} of {source['path']}, epoch {source['epoch']}"
+            what = f"{source['network'] or 'exported'} of {source['path']}"
+            what += f", epoch {source['epoch']}" if source["epoch"] is not None else ""  # unknown without a sidecar
         view = f"{self.views.teacher_resize}/{self.views.teacher_size} px ({self.view_reason})"
         print(f"{self.protocol}: {source['arch']} ({source['stem']} stem), {what}, view {view}, data {self.data}")
         cells = [headers] + [[_cell(v) for v in row] for row in rows]

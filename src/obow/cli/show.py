@@ -2,7 +2,7 @@
 
     obow show words --checkpoint runs/x/checkpoint.pt --data DIR --out runs/x/words [--level conv5]
         [--network teacher|student] [--words most-used|random|3,17,42] [--num-words 16]
-    obow show run runs/x [runs/y ...] --out runs/x/curves.png
+    obow show run runs/x [runs/y ...] [--out runs/x/curves.png]
     obow show neighbours --checkpoint runs/x/checkpoint.pt --data DIR --out runs/x/neighbours.png [--queries 8]
 
 Building this parser imports nothing heavy; each command imports its module when it runs.
@@ -39,7 +39,7 @@ def add_show_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
     p = kinds.add_parser("run", help="training curves of one or more runs (one PNG)")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="folders of obow pretrain runs (with log.jsonl)")
-    p.add_argument("--out", required=True, help="output PNG")
+    p.add_argument("--out", help="output PNG (default: curves.png in the first RUN_DIR)")
     p.set_defaults(func=run_run)
 
     p = kinds.add_parser("neighbours", help="nearest training images of a few queries, learned vs random init")
@@ -95,7 +95,8 @@ def run_words(args: argparse.Namespace) -> int:
 def run_run(args: argparse.Namespace) -> int:
     from obow.show.run_plots import plot_runs
 
-    print(f"wrote {plot_runs(args.runs, args.out)}")
+    out = args.out if args.out is not None else os.path.join(args.runs[0], "curves.png")
+    print(f"wrote {plot_runs(args.runs, out)}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """The commands that move weights in and out of obow.
 
-obow export --checkpoint runs/x/checkpoint.pt --out backbone.pth --format torchvision|timm|detectron2
+obow export --checkpoint runs/x/checkpoint.pt --out backbone.pth [--format FORMAT]   # FORMATS: cli.common
 obow export --checkpoint runs/x/checkpoint.pt --out backbone.safetensors   # the same weights as safetensors
 obow import-official FILE --out CKPT             # the authors' released weights as an obow checkpoint
 """
@@ -15,10 +15,10 @@ from obow.cli.common import ARCHITECTURES, FORMATS, NETWORKS, positive_float
 
 
 def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``obow export --checkpoint PATH --out FILE --format torchvision|timm|detectron2``."""
+    """Register ``obow export --checkpoint PATH --out FILE --format FORMAT`` (one of :data:`FORMATS`)."""
     p = subparsers.add_parser(
         "export",
-        help="write a pretrained backbone for torchvision, timm or Detectron2",
+        help=f"write a pretrained backbone for {', '.join(FORMATS[:-1])} or {FORMATS[-1]}",
         description="Write the backbone of a pretraining checkpoint, plus FILE.json describing it. The name of "
         "FILE picks the container: FILE.safetensors is written as safetensors (the metadata of FILE.json in its "
         "header too), any other name with torch.save; --format detectron2 writes a pickle (FILE.pkl).",
@@ -63,7 +63,7 @@ def run_export(args: argparse.Namespace) -> int:
         meta = export_backbone(args.checkpoint, args.out, network=args.network, fmt=args.format)
     print(
         f"wrote {args.out} ({meta['format']}, {meta['container']}: {meta['arch']}, {meta['stem']} stem, "
-        f"{meta['network']}, epoch {meta['epoch']}) and {args.out}.json"
+        f"{meta['network']}{'' if meta['epoch'] is None else ', epoch ' + str(meta['epoch'])}) and {args.out}.json"
     )
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
@@ -82,6 +82,7 @@ def run_import(args: argparse.Namespace) -> int:
         )
     else:
         what = "the student backbone only"
-    print(f"wrote {args.out}: {summary['arch']}, epoch {summary['epoch']}, {what}")
+    epoch = "" if summary["epoch"] is None else f", epoch {summary['epoch']}"
+    print(f"wrote {args.out}: {summary['arch']}{epoch}, {what}")
     print(f"next: obow eval knn --checkpoint {args.out} --data <folder with train/ and val/>")
     return 0

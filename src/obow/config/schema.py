@@ -45,7 +45,8 @@ class ModelConfig:
     "1 x 224 + cutmix", BoWNet's augmentation) pastes, in every student view group, a random box of another
     image of the batch and mixes the two images' BoW targets by area. ``learn_kappa`` makes each level's
     ``kappa`` a learned parameter starting at ``kappa`` (an option of the official code that its recipes
-    leave off).
+    leave off). With ``vocabulary: queue``, ``num_words`` is a multiple of ``data.batch_size`` (the queue replaces
+    one word per image of the batch each step; checked when the recipe is loaded).
     """
 
     method: str = "obow"
@@ -440,6 +441,18 @@ def from_dict(cls: type[T], values: Mapping[str, Any], prefix: str = "") -> T:
         raise ConfigError(str(err)) from None
 
 
+def _expected(hint: Any) -> str:
+    """What a setting of type ``hint`` takes, in words."""
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        return f"a list of {_expected(typing.get_args(hint)[0]).removeprefix('a ').removeprefix('an ')}s"
+    if hint is dict or origin is dict:
+        return "a mapping of keys to values"
+    return {bool: "true or false", int: "an integer", float: "a number (e.g. 0.05 or 1/15)", str: "a string"}.get(
+        hint, str(hint)
+    )
+
+
 def _coerce(name: str, hint: Any, value: Any) -> Any:
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
@@ -450,6 +463,8 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
             return None
         (inner,) = [o for o in options if o is not type(None)]
         return _coerce(name, inner, value)
+    if value is None:  # `optim.lr=` on the command line, or `lr:` with nothing after it in a recipe
+        raise ConfigError(f"an empty value was given for {name}, which takes {_expected(hint)}")
     if hint is dict or origin is dict:
         if isinstance(value, Mapping):
             return dict(value)

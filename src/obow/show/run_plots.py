@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,19 +119,20 @@ def panels_for(runs: Sequence[RunLog]) -> list[Panel]:
     return [p for p in candidates if p.series]
 
 
-def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
-    """Write the panels of one or more runs to the PNG ``out``; returns its path."""
+#: Characters of a panel title's line: longer titles wrap, so that each stays over its own panel.
+TITLE_WIDTH = 52
+
+
+def runs_figure(runs: Sequence[RunLog]):
+    """The matplotlib figure of :func:`plot_runs`: the panels of ``runs`` on a grid of three columns."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if not run_dirs:
-        raise ValueError("give at least one run folder")
-    runs = [read_run(d) for d in run_dirs]
     panels = panels_for(runs)
     if not panels:
-        raise ValueError(f"no known metric in the logs of {', '.join(map(str, run_dirs))}")
+        raise ValueError(f"no known metric in the logs of {', '.join(run.name for run in runs)}")
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 3.6 * rows), squeeze=False)
@@ -151,7 +153,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
                     colour, label = colours[s % len(colours)], key
                 style = {"linestyle": "--" if dashed else "-", "marker": "." if len(xs) < 20 else None}
                 ax.plot(xs, ys, color=colour, label=label, **style)
-        ax.set_title(panel.title, fontsize=10)
+        ax.set_title(textwrap.fill(panel.title, TITLE_WIDTH), fontsize=10)
         ax.set_xlabel("iteration" if panel.source == "steps" else "epoch")
         ax.grid(alpha=0.3)
         if ax.lines:
@@ -161,6 +163,16 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
     names = ", ".join(run.name for run in runs)
     fig.suptitle(f"obow runs: {names}" if len(runs) > 1 else f"obow run: {names}")
     fig.tight_layout()
+    return fig
+
+
+def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
+    """Write the panels of one or more runs to the PNG ``out``; returns its path."""
+    import matplotlib.pyplot as plt
+
+    if not run_dirs:
+        raise ValueError("give at least one run folder")
+    fig = runs_figure([read_run(d) for d in run_dirs])
     out = Path(out)
     with writing(out):
         fig.savefig(out, dpi=100)

@@ -34,7 +34,7 @@ from torch import nn
 
 from obow import distributed as D
 from obow.config import Config
-from obow.data.folders import EpochSampler, ImageList
+from obow.data.folders import EpochSampler, ImageList, scan_images
 from obow.methods.base import Method
 from obow.schedules import learning_rate
 from obow.training.build import (
@@ -170,18 +170,23 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
     if cfg.data.path is None:
         raise RunError("no training images: set data.path (obow pretrain --data DIR)")
     check_inputs(cfg)  # before the run folder is created
+    # and the images found before it too: an empty --data leaves no folder with a config.yaml and a lock behind
+    images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
     with RunLock(out, device=device):  # one writer per run folder, from here to the end
         started_with = started_config(out)
         cfg = settle_pipeline(settle_precision(cfg, device, started_with), device, started_with)
         cfg = settle_bn_splits(cfg, started_with)
         with chosen_threads(cfg, workers=data_pipeline(cfg, device) == "workers"):
-            return train_in_lock(cfg, out, device, monitor)
+            return train_in_lock(cfg, out, device, monitor, images)
 
 
-def train_in_lock(cfg: Config, out: Path, device: torch.device, monitor: MonitorFactory | None) -> dict[str, Any]:
-    """:func:`run_pretraining`'s work once the run folder is locked and ``cfg``'s ``auto`` settings settled."""
+def train_in_lock(
+    cfg: Config, out: Path, device: torch.device, monitor: MonitorFactory | None, images: ImageList
+) -> dict[str, Any]:
+    """:func:`run_pretraining`'s work once the run folder is locked and ``cfg``'s ``auto`` settings settled, on the
+    training ``images`` it found."""
     ckpt = open_run(cfg, out)
-    images, sampler, loader = build_data(cfg, device)
+    images, sampler, loader = build_data(cfg, device, images)
     iters_per_epoch = len(images) // cfg.data.batch_size
     total_iters = iters_per_epoch * cfg.optim.epochs
     model = build_model(cfg, total_iters, device, resuming=ckpt is not None)
@@ -189,7 +194,12 @@ def train_in_lock(cfg: Config, out: Path, device: torch.device, monitor: Monitor
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
     state = start_or_resume(ckpt, model, optimizer, scaler, images, cfg, device, out)
     if state.epoch >= cfg.optim.epochs:
-        log_main("The run in %s is already complete (%d epochs); nothing to do", out, state.epoch)
+        log_main(
+            "%s is finished (%d of %d iterations); raise optim.epochs to extend it",
+            out,
+            state.iteration,
+            total_iters,
+        )
         return summary(out, state)
 
     step_model = prepare_step_model(model, cfg, device)

@@ -455,6 +455,8 @@ def start_or_resume(
     iters_per_epoch = len(images) // cfg.data.batch_size
     if ckpt is not None:
         state = restore(ckpt, model, optimizer, scaler, iters_per_epoch)
+        if state.epoch >= cfg.optim.epochs:  # finished: the loop says so, there is nothing to resume
+            return state
         log_main(
             "Resuming %s from iteration %d of %d (epoch %d, batch %d of %d)",
             out,

@@ -20,20 +20,21 @@ The budget:
 
 Either way the plan (each row's epochs, warm-up, timed step) is written once to ``<table>/plan.json`` and reused by
 every seed and by later calls that complete the table; asking the same folder for another budget or other images is
-refused. ``--plan-only`` writes the plan and stops: time the rows on the quiet machine with every core, then train
-however suits the machine. ``--timing-from DIR`` takes the timed steps of another folder of the same table (another
-budget) instead of timing them again. ``--shared-from DIR`` takes from a folder of *another* table (same images,
-recipe, changes, protocol and budget) the rows the two tables have in common (the same configuration: OBoW vanilla
-is a row of Tables 1, 2, 3, 4 and 5) with their plan and finished seeds, so that no configuration is trained twice
-and every table shows the same numbers for it; this table's other rows are then timed in turns with one shared row
-and planned at the ratio of their step to its (:func:`share_rows`): the ratio is measured in one run, the machine's
-speed on the day is not. The plan fixes each row's steps, not its threads: on a 2-core machine two tables can train
-side by side with ``OMP_NUM_THREADS=1`` each; only the wall time in ``table.md`` changes. Measured (2026-11-24): the
-MoCo v2 table on CIFAR-10 and on Imagenette side by side, one thread each, ran OBoW (full) at 7.1 and 7.4 s a step,
-against 3.85 and 4.06 s timed alone with both cores: about 1.1x the work of one table at a time. ``--jobs N`` does
-the same within one table: N of its row-seed runs at once, each in its own process (:func:`run_in_processes`);
-with ``--jobs 1`` they run in this process (:func:`run_in_order`). Either way a signal stops the table: training
-runs at a checkpoint, evaluations at once; finished results stay and the same command resumes.
+refused (``--replan`` discards the plan while no row has trained there). ``--plan-only`` writes the plan and stops:
+time the rows on the quiet machine with every core, then train however suits the machine. ``--timing-from DIR``
+takes the timed steps of another folder of the same table (another budget) instead of timing them again.
+``--shared-from DIR`` takes from a folder of *another* table (same images, recipe, changes, protocol and budget) the
+rows the two tables have in common (the same configuration: OBoW vanilla is a row of Tables 1, 2, 3, 4 and 5) with
+their plan and finished seeds, so that no configuration is trained twice and every table shows the same numbers for
+it; this table's other rows are then timed in turns with one shared row and planned at the ratio of their step to
+its (:func:`share_rows`): the ratio is measured in one run, the machine's speed on the day is not. The plan fixes
+each row's steps, not its threads: on a 2-core machine two tables can train side by side with ``OMP_NUM_THREADS=1``
+each; only the wall time in ``table.md`` changes. Measured (2026-11-24): the MoCo v2 table on CIFAR-10 and on
+Imagenette side by side, one thread each, ran OBoW (full) at 7.1 and 7.4 s a step, against 3.85 and 4.06 s timed
+alone with both cores: about 1.1x the work of one table at a time. ``--jobs N`` does the same within one table: N of
+its row-seed runs at once, each in its own process (:func:`run_in_processes`); with ``--jobs 1`` they run in this
+process (:func:`run_in_order`). Either way a signal stops the table: training runs at a checkpoint, evaluations at
+once; finished results stay and the same command resumes.
 
 Settings the tables change for a short run, the same rule for every row:
 

@@ -17,6 +17,14 @@ from obow.experiments.tables.records import write_json
 log = logging.getLogger("obow")
 
 
+def budget_text(budget: dict[str, Any] | None) -> str:
+    """A plan's ``budget`` as words: ``{"minutes": 25}`` is "25 minutes", ``{"epochs": 1}`` "1 epoch"."""
+    if not budget:
+        return "no budget"
+    ((unit, value),) = budget.items()
+    return f"{value:g} {unit if value != 1 else unit[:-1]}"
+
+
 @dataclass(frozen=True)
 class Against:
     """The table folder a lever is timed against (``--time-against``): its ``plan.json`` path, the seconds a step
@@ -48,8 +56,8 @@ def read_time_against(
     other = json.loads(plan_path.read_text())
     if other.get("budget") != {"minutes": minutes}:
         raise ValueError(
-            f"--time-against {source}: planned for {other.get('budget')}, this call for {{'minutes': {minutes}}}: "
-            "a lever gets its base's budget"
+            f"--time-against {source}: planned for {budget_text(other.get('budget'))}, this call for "
+            f"{budget_text({'minutes': minutes})}: a lever gets its base's budget"
         )
     table_path = source / "table.json"
     changes = tuple(json.loads(table_path.read_text()).get("overrides", [])) if table_path.is_file() else ()
@@ -61,6 +69,30 @@ def read_time_against(
         if stage.get("seconds_per_step")
     }
     return Against(str(plan_path), seconds, changes, common, values)
+
+
+def discard_plan(folder: Path) -> None:
+    """``obow tables run --replan``: remove the ``plan.json`` of the table in ``folder`` (and the ``table.json`` and
+    ``table.md`` made with it) so that this call plans the table anew, as long as no row has begun training there:
+    a row's runs train for the plan's steps, and a new plan would leave them made for another. A ``ValueError``
+    names the row runs that have begun (their folders); the random init's results are kept, being no training."""
+    path = folder / "plan.json"
+    if not path.exists():
+        return
+    begun = sorted(
+        str(run.relative_to(folder))
+        for run in folder.glob("*/seed*")
+        if run.parent.name != "random_init" and run.is_dir() and any(run.iterdir())
+    )
+    if begun:
+        raise ValueError(
+            f"--replan: {folder} has rows that trained for its plan ({', '.join(begun)}); a table keeps its plan "
+            "once a row trains: use another --out (or remove those folders)"
+        )
+    old = json.loads(path.read_text()).get("budget")
+    for name in ("plan.json", "table.json", "table.md"):
+        (folder / name).unlink(missing_ok=True)
+    log.info("--replan: the plan of %s for %s is discarded (no row had trained)", folder, budget_text(old))
 
 
 #: The precision of a plan that does not say: obow recorded none before ``train.precision: auto``, when every
@@ -155,8 +187,9 @@ def budget_plan(
     plan = json.loads(path.read_text()) if path.exists() else {"budget": wanted, "steps_per_epoch": steps_per_epoch}
     if plan["budget"] != wanted or plan["steps_per_epoch"] != steps_per_epoch:
         raise ValueError(
-            f"{folder} holds a table planned for {plan['budget']} and {plan['steps_per_epoch']} steps an epoch; "
-            f"this call asks for {wanted} and {steps_per_epoch}: use another --out, or the same budget and images"
+            f"{folder} holds a table planned for {budget_text(plan['budget'])} a row and {plan['steps_per_epoch']} "
+            f"steps an epoch; this call asks for {budget_text(wanted)} and {steps_per_epoch}: the same budget and "
+            "images continue it, --replan plans it again while no row has trained, or use another --out"
         )
     recorded = "precision" in plan and "pipeline" in plan  # table_precision / _pipeline chose from this plan
     plan["precision"] = precision
@@ -262,13 +295,19 @@ def _read_table_folder(
     record, plan = json.loads(table_path.read_text()), json.loads(plan_path.read_text())
     for key, value in expected.items():
         if record.get(key) != value:
+            theirs, ours = (
+                (budget_text(record.get(key)), budget_text(value))
+                if key == "budget"
+                else (repr(record.get(key)), repr(value))
+            )
             raise ValueError(
-                f"{option} {source}: its {key} is {record.get(key)!r}, this call's is {value!r}; {what} on the "
+                f"{option} {source}: its {key} is {theirs}, this call's is {ours}; {what} on the "
                 "same images, recipe, changes, protocol and budget"
             )
     if plan.get("steps_per_epoch") != steps_per_epoch or plan.get("budget") != expected["budget"]:
         raise ValueError(
-            f"{option} {source}: its plan.json is not for {expected['budget']} and {steps_per_epoch} steps an epoch"
+            f"{option} {source}: its plan.json is not for {budget_text(expected['budget'])} and {steps_per_epoch} "
+            "steps an epoch"
         )
     return record, plan
 

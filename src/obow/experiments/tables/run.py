@@ -16,6 +16,7 @@ from typing import Any
 from obow.experiments.tables.catalog import TABLES, Row, fill_placeholders, placeholders, select_rows
 from obow.experiments.tables.plan import (
     budget_plan,
+    discard_plan,
     import_results,
     read_time_against,
     share_rows,
@@ -59,6 +60,7 @@ def run_table(
     shared_from: str | Path | None = None,
     jobs: int = 1,
     time_against: str | Path | None = None,
+    replan: bool = False,
 ) -> dict[str, Any]:
     """Train and evaluate the rows of table ``name`` (see the module docstring) for every seed in ``seeds``,
     each row for ``budget`` epochs or for ``minutes`` of this machine; returns the table's record, also written
@@ -78,7 +80,8 @@ def run_table(
     changes alter a step's cost (``data.batch_size``, ``model.num_words``, views): each row it timed is timed
     here in turns as it was there and as it is here, and planned at ``its seconds there x the ratio of the two``
     (``timing_against`` in the plan), so that the lever gets the base's wall-clock budget whatever the
-    machine's load on the day. ``jobs`` > 1 trains
+    machine's load on the day. ``replan`` discards the folder's ``plan.json`` first, while no row has trained
+    there (a folder planned for a wrong budget; :func:`discard_plan`). ``jobs`` > 1 trains
     and evaluates that many row-seed runs at once, each in its own process with ``train.threads`` threads
     (unset: this process's cores divided by ``jobs``, or by the number of runs left if fewer)
     (:func:`run_in_processes`); the plan is made first, here."""
@@ -141,6 +144,8 @@ def run_table(
             "protocol": protocol,
             "overrides": list(overrides or []),
         }
+        if replan:
+            discard_plan(folder)
         sources = [results_from, shared_from, timing_from, time_against]
         precision = table_precision(folder, base.train.precision, device, sources)
         pipeline = table_pipeline(folder, base.data.pipeline, device, sources)

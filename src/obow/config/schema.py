@@ -17,11 +17,22 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, TypeVar
 
-from obow.bow import ASSIGNMENTS, HEADS, POOLINGS, QUEUE_SAMPLINGS, VOCABULARIES
 from obow.checks import check_choice, check_positive, check_unit_interval
-from obow.data import LABEL_MODES, PIPELINES
-from obow.methods import LOSS_WEIGHTINGS, METHODS, MOCO_AUGMENTATIONS, MOMENTUM_SCHEDULES
-from obow.training import DEVICES, PRECISIONS
+from obow.config.choices import (
+    ASSIGNMENTS,
+    DEVICES,
+    HEADS,
+    LABEL_MODES,
+    LOSS_WEIGHTINGS,
+    METHODS,
+    MOCO_AUGMENTATIONS,
+    MOMENTUM_SCHEDULES,
+    PIPELINES,
+    POOLINGS,
+    PRECISIONS,
+    QUEUE_SAMPLINGS,
+    VOCABULARIES,
+)
 
 #: Smallest side a BoW level's map may have after border removal (room for the 3x3 local average).
 MIN_BOW_MAP = 3

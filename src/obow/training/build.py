@@ -16,7 +16,7 @@ from torch import nn
 
 from obow import distributed as D
 from obow.config import Config
-from obow.data import PIPELINES
+from obow.config.choices import PIPELINES
 from obow.data.cache import ImageCache, build_cache
 from obow.data.device_loader import DeviceLoader
 from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loader, scan_images

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from obow.config import Config
-from obow.training import PRECISIONS
+from obow.config.choices import PRECISIONS
 from obow.training.logger import log_main
 from obow.training.state import RunError
 

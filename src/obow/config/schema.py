@@ -256,7 +256,7 @@ class DataConfig:
     and torchvision: :mod:`obow.data.transforms`), ``device`` (the images decoded once into a cache, then every
     view of a batch made at once on the training device: :mod:`obow.data.batched_views`), or ``auto``: ``device``
     when training on a GPU, ``workers`` on a CPU (why: docs/gpu.md), settled when a run starts and recorded in
-    its ``config.yaml`` (:func:`obow.training.build.settle_pipeline`).
+    its ``config.yaml`` (:func:`obow.training.settle.settle_pipeline`).
     ``cache_dir`` (default ``~/.cache/obow``) and ``cache_size`` (the cached square's side; default: the images'
     own when all are squares of one size) configure the device pipeline's cache (:mod:`obow.data.cache`).
     """

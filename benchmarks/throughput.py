@@ -41,6 +41,7 @@ from obow.config import Config, load_config
 from obow.data.folders import scan_images
 from obow.training.build import build_data, build_model, build_optimizer, prepare_step_model
 from obow.training.loop import Run, train_step
+from obow.training.settle import resolve_pipeline
 
 
 def synchronize(device: torch.device) -> None:
@@ -75,7 +76,7 @@ def build(name: str, cfg: Config, device: torch.device, min_images: int, diagnos
     images = dataclasses.replace(
         images, paths=images.paths * repeats, labels=None if images.labels is None else images.labels * repeats
     )
-    images, sampler, loader = build_data(cfg, device, images)
+    images, sampler, loader = build_data(cfg, device, images, pipeline=resolve_pipeline(cfg.data.pipeline, device))
     model = build_model(cfg, total_iterations=100_000, device=device).train()
     optimizer = build_optimizer(model, cfg)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")

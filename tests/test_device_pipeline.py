@@ -204,7 +204,7 @@ def test_an_auto_pipeline_is_recorded_and_a_resume_keeps_it_on_another_device(
     meant ``device`` (a GPU) and resumed where it means ``workers`` (a CPU) keeps making its views on the device;
     a new run there takes that machine's choice; a run from before the choice was recorded (``auto`` in its
     ``config.yaml`` and checkpoint) resumes with ``auto`` and the rule it had."""
-    from obow.training import build
+    from obow.training import settle
     from obow.training.loop import pretrain
 
     data = write_images(tmp_path / "data", per_class=4, size=20)
@@ -214,15 +214,15 @@ def test_an_auto_pipeline_is_recorded_and_a_resume_keeps_it_on_another_device(
         overrides = [f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", *DEVICE_RUN]
         return load_config(tiny_recipe, [*overrides, "data.pipeline=auto", f"optim.epochs={epochs}"])
 
-    rule = build.resolve_pipeline
-    monkeypatch.setattr(build, "resolve_pipeline", lambda p, d: "device" if p == "auto" else p)  # a GPU's rule
+    rule = settle.resolve_pipeline
+    monkeypatch.setattr(settle, "resolve_pipeline", lambda p, d: "device" if p == "auto" else p)  # a GPU's rule
     with caplog.at_level(logging.INFO, logger="obow"):
         pretrain(cfg(1), out)
     assert "data.pipeline=auto -> device (a CPU run's default)" in caplog.text
     assert load_config(str(out / "config.yaml")).data.pipeline == "device"
     assert torch.load(out / "checkpoint.pt", weights_only=False)["config"]["data"]["pipeline"] == "device"
 
-    monkeypatch.setattr(build, "resolve_pipeline", rule)  # resumed (extended) where auto means workers
+    monkeypatch.setattr(settle, "resolve_pipeline", rule)  # resumed (extended) where auto means workers
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="obow"):
         pretrain(cfg(2), out)

@@ -157,7 +157,7 @@ def test_the_api_page_lists_exactly_what_obow_exports():
 
 
 def test_the_gpu_page_names_the_data_pipelines_the_schema_allows():
-    from obow.config.schema import PIPELINES
+    from obow.config.choices import PIPELINES
 
     page = (DOCS / "gpu.md").read_text()
     rows = set(re.findall(r"^\| `(\w+)`(?: \(default\))? \|", page, re.M))

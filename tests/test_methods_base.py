@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from obow.config import load_config, to_dict
-from obow.methods import METHODS, build_method
+from obow.config.choices import METHODS
+from obow.methods import build_method
 from obow.methods.base import GroupedStep, Method, StepOutput, check_views, ema_update_, group_weight
 from obow.weights.checkpoint import build_checkpoint, save_atomic
 

@@ -1,7 +1,7 @@
 """The measured tables under ``docs/results/tables/`` are what the docs show: each ``table.md`` is the Markdown
 of its ``table.json`` (as ``obow tables run`` writes it), its rows appear verbatim in the full record
-(``docs/results/README.md``), the headline tables' rows in ``docs/paper-tables.md`` too, and every number of
-the project README's headline verdict is its table's mean ± deviation."""
+(``docs/results/README.md`` and its pages, one per table), the headline tables' rows in ``docs/paper-tables.md``
+too, and every number of the project README's headline verdict is its table's mean ± deviation."""
 
 import json
 from pathlib import Path
@@ -33,8 +33,8 @@ def test_committed_table_is_its_json_and_is_in_the_record(path):
     text = (path.parent / "table.md").read_text()
     assert text == markdown(record, TABLES[record["table"]].columns)
     rows = _rows(path)
-    full = (ROOT / "docs" / "results" / "README.md").read_text()
-    assert rows and all(line in full for line in rows), f"docs/results/README.md lacks {path.parent.name}'s rows"
+    full = _record_text()
+    assert rows and all(line in full for line in rows), f"docs/results/*.md lack {path.parent.name}'s rows"
     if path.parent.name in HEADLINE:
         summary = SUMMARY.read_text()
         assert all(line in summary for line in rows), f"docs/paper-tables.md does not show {path.parent.name}'s rows"
@@ -42,6 +42,11 @@ def test_committed_table_is_its_json_and_is_in_the_record(path):
 
 def test_the_readme_links_the_full_record():
     assert "docs/results/README.md" in (ROOT / "README.md").read_text()
+
+
+def _record_text() -> str:
+    """The full record: docs/results/README.md and its pages."""
+    return "".join(page.read_text() for page in _sync_module().RECORD)
 
 
 def _sync_module():
@@ -58,8 +63,9 @@ def test_every_table_has_its_block_and_every_block_is_its_table_md():
     table.md, heading one level down), the headline tables in docs/paper-tables.md too: ``python docs/results/sync.py``
     rewrites stale blocks."""
     sync = _sync_module()
-    full = (ROOT / "docs" / "results" / "README.md").read_text()
-    blocks = {m["name"] for m in sync.BLOCK.finditer(full)}
+    blocks = [m["name"] for m in sync.BLOCK.finditer(_record_text())]
+    assert sorted(blocks) == sorted(set(blocks)), "a table shown on two pages of the record"
+    blocks = set(blocks)
     assert blocks == {p.parent.name for p in RESULTS}
     summary_blocks = {m["name"] for m in sync.BLOCK.finditer(SUMMARY.read_text())}
     assert summary_blocks == set(HEADLINE)

@@ -1,6 +1,7 @@
 """Copy each measured table into the docs that show it: every ``<!-- table NAME -->`` ... ``<!-- /table NAME -->``
-block of ``docs/results/README.md`` and of ``docs/paper-tables.md`` becomes ``docs/results/tables/NAME/table.md``
-with its heading one level down (``###`` -> ``####``). Run after copying a finished ``table.json``/``table.md`` here:
+block of the record's pages (``docs/results/*.md``: the index and one page per table) and of
+``docs/paper-tables.md`` becomes ``docs/results/tables/NAME/table.md`` with its heading one level down (``###`` ->
+``####``). Run after copying a finished ``table.json``/``table.md`` here:
 
     python docs/results/sync.py          # rewrite the blocks
     python docs/results/sync.py --check  # exit 1 and name the stale blocks, change nothing
@@ -16,7 +17,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = ROOT / "docs" / "results" / "tables"
-DOCS = (ROOT / "docs" / "results" / "README.md", ROOT / "docs" / "paper-tables.md")
+#: The full record: its index (README.md) and one page per table.
+RECORD = tuple(sorted((ROOT / "docs" / "results").glob("*.md")))
+DOCS = (*RECORD, ROOT / "docs" / "paper-tables.md")
 BLOCK = re.compile(r"<!-- table (?P<name>[\w.\-]+) -->\n(?P<body>.*?)<!-- /table (?P=name) -->", re.S)
 
 

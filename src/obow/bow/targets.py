@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from obow import distributed as D
-from obow.bow import ASSIGNMENTS, POOLINGS
 from obow.bow.vocabulary import Vocabulary
 from obow.checks import check_choice, check_positive, check_unit_interval
+from obow.config.choices import ASSIGNMENTS, POOLINGS
 
 if TYPE_CHECKING:
     from obow.config import ModelConfig

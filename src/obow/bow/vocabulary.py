@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from obow import distributed as D
-from obow.bow import QUEUE_SAMPLINGS
 from obow.checks import check_choice, check_unit_interval
+from obow.config.choices import QUEUE_SAMPLINGS
 
 if TYPE_CHECKING:
     from obow.config import ModelConfig

@@ -17,11 +17,22 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, TypeVar
 
-from obow.bow import ASSIGNMENTS, HEADS, POOLINGS, QUEUE_SAMPLINGS, VOCABULARIES
 from obow.checks import check_choice, check_positive, check_unit_interval
-from obow.data import LABEL_MODES, PIPELINES
-from obow.methods import LOSS_WEIGHTINGS, METHODS, MOCO_AUGMENTATIONS, MOMENTUM_SCHEDULES
-from obow.training import DEVICES, PRECISIONS
+from obow.config.choices import (
+    ASSIGNMENTS,
+    DEVICES,
+    HEADS,
+    LABEL_MODES,
+    LOSS_WEIGHTINGS,
+    METHODS,
+    MOCO_AUGMENTATIONS,
+    MOMENTUM_SCHEDULES,
+    PIPELINES,
+    POOLINGS,
+    PRECISIONS,
+    QUEUE_SAMPLINGS,
+    VOCABULARIES,
+)
 
 #: Smallest side a BoW level's map may have after border removal (room for the 3x3 local average).
 MIN_BOW_MAP = 3
@@ -256,7 +267,7 @@ class DataConfig:
     and torchvision: :mod:`obow.data.transforms`), ``device`` (the images decoded once into a cache, then every
     view of a batch made at once on the training device: :mod:`obow.data.batched_views`), or ``auto``: ``device``
     when training on a GPU, ``workers`` on a CPU (why: docs/gpu.md), settled when a run starts and recorded in
-    its ``config.yaml`` (:func:`obow.training.build.settle_pipeline`).
+    its ``config.yaml`` (:func:`obow.training.settle.settle_pipeline`).
     ``cache_dir`` (default ``~/.cache/obow``) and ``cache_size`` (the cached square's side; default: the images'
     own when all are squares of one size) configure the device pipeline's cache (:mod:`obow.data.cache`).
     """

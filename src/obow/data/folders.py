@@ -32,7 +32,7 @@ from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from obow.checks import check_choice
-from obow.data import LABEL_MODES
+from obow.config.choices import LABEL_MODES
 from obow.notices import ObowWarning
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")

@@ -117,6 +117,7 @@ def seconds_per_step(configs: dict[str, Any], rounds: int = 3, block: int = 4) -
     from obow.training.build import build_data, build_model, build_optimizer
     from obow.training.loop import forward_backward, to_device
     from obow.training.precision import precision_context
+    from obow.training.settle import resolve_pipeline
     from obow.training.threads import choose_threads
 
     if rounds < 1 or block < 2:
@@ -125,7 +126,7 @@ def seconds_per_step(configs: dict[str, Any], rounds: int = 3, block: int = 4) -
     device = torch.device("cuda" if cuda else "cpu")
     runs: dict[str, Any] = {}
     for name, cfg in configs.items():
-        _, sampler, loader = build_data(cfg, device)
+        _, sampler, loader = build_data(cfg, device, pipeline=resolve_pipeline(cfg.data.pipeline, device))
         model = build_model(cfg, total_iterations=1000, device=device, resuming=True).train()
         runs[name] = (cfg, _endless(loader, sampler), model, build_optimizer(model, cfg))
     times: dict[str, list[float]] = {name: [] for name in configs}

@@ -12,7 +12,9 @@ method      module                                  paper
 ==========  ======================================  ==========================================================
 
 Every method subclasses :class:`obow.methods.base.Method`: the contract between a method and the training loop
-(:func:`obow.training.loop.pretrain`) is written there once, with the pieces the methods share.
+(:func:`obow.training.loop.pretrain`) is written there once, with the pieces the methods share. The
+``model.method`` values and the other choices of the methods' settings are declared in
+:mod:`obow.config.choices`.
 """
 
 from __future__ import annotations
@@ -24,15 +26,6 @@ if TYPE_CHECKING:
     from obow.config import Config, ViewsConfig
     from obow.data.batched_views import BatchedViews
     from obow.methods.base import Method
-
-#: The registry: ``model.method`` values (each built by :func:`build_method`).
-METHODS = ("obow", "mocov2", "bownet", "rotnet")
-#: Teacher (EMA) momentum schedules over the run.
-MOMENTUM_SCHEDULES = ("cosine", "constant")
-#: How the crop groups' losses combine: the sum of the groups' means (official) or a mean over all views.
-LOSS_WEIGHTINGS = ("group_sum", "view_mean")
-#: MoCo v2's views: its own two views, or OBoW's (every crop and patch a query).
-MOCO_AUGMENTATIONS = ("mocov2", "ours")
 
 
 def build_method(cfg: Config, total_iterations: int, *, resuming: bool = False) -> Method:

@@ -76,8 +76,8 @@ from obow.backbones import build_backbone
 from obow.bow.targets import at_least_float32
 from obow.checks import check_choice, check_positive, check_unit_interval
 from obow.config import Config
+from obow.config.choices import LOSS_WEIGHTINGS
 from obow.diagnostics import feature_diagnostics
-from obow.methods import LOSS_WEIGHTINGS
 from obow.methods.base import Method, StepOutput, check_views, ema_update_, group_weight
 from obow.methods.split_batchnorm import convert_split_batchnorm
 

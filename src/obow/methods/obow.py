@@ -31,10 +31,10 @@ from obow.bow.targets import BoWExtractor, BoWTargets, build_extractors
 from obow.bow.vocabulary import build_vocabulary
 from obow.checks import check_choice, check_unit_interval
 from obow.config import ModelConfig
+from obow.config.choices import LOSS_WEIGHTINGS, MOMENTUM_SCHEDULES
 from obow.data.cutmix import cutmix as cutmix_views
 from obow.data.cutmix import draw_box, draw_permutation, mix_targets
 from obow.diagnostics import feature_diagnostics, mean_pairwise_cosine
-from obow.methods import LOSS_WEIGHTINGS, MOMENTUM_SCHEDULES
 from obow.methods.base import Method, StepOutput, check_views, ema_update_, group_weight
 from obow.schedules import teacher_momentum
 

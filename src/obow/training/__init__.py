@@ -4,11 +4,5 @@
 resumes (:mod:`~obow.training.state`), one writer per run folder (:mod:`~obow.training.lock`), and its logs
 (:mod:`~obow.training.logger`).
 
-The allowed values of the training settings are declared here, without importing PyTorch.
+The allowed values of the training settings are declared in :mod:`obow.config.choices`.
 """
-
-#: Where a run computes: a GPU when one is visible (auto), or the one named.
-DEVICES = ("auto", "cpu", "cuda")
-#: Arithmetic of the forward pass: float32, or bfloat16 / float16 autocast (the BoW codes stay float32); auto:
-#: bf16 where the device computes bfloat16 in hardware, else fp32 (chosen once per run, when it starts).
-PRECISIONS = ("fp32", "bf16", "fp16", "auto")

@@ -1,11 +1,11 @@
-"""The parts of a run, built from its recipe: the process and its device (:func:`setup_process`), the data
-(:func:`build_data`: images, sampler and loader, with views made in loader workers or on the training device,
-``data.pipeline``), the method (:func:`build_model`), the optimiser (:func:`build_optimizer`) and what each
-step calls (:func:`prepare_step_model`). :mod:`obow.training.loop` and the benchmarks use the same builders."""
+"""The parts of a run, built from its settled recipe (:mod:`obow.training.settle`): the process and its device
+(:func:`setup_process`), the data (:func:`build_data`: images, sampler and loader, with views made in loader
+workers or on the training device, ``data.pipeline``), the method (:func:`build_model`), the optimiser
+(:func:`build_optimizer`) and what each step calls (:func:`prepare_step_model`). :mod:`obow.training.loop` and
+the benchmarks use the same builders."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -16,7 +16,6 @@ from torch import nn
 
 from obow import distributed as D
 from obow.config import Config
-from obow.data import PIPELINES
 from obow.data.cache import ImageCache, build_cache
 from obow.data.device_loader import DeviceLoader
 from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loader, scan_images
@@ -24,17 +23,13 @@ from obow.methods import build_batched_views, build_method, build_views, views_s
 from obow.methods.base import Method
 from obow.training.logger import log_main
 from obow.training.precision import check_precision
-from obow.training.state import RunError, as_it_ran
+from obow.training.state import RunError
 
 __all__ = [
     "build_data",
     "build_model",
     "build_optimizer",
-    "data_pipeline",
     "prepare_step_model",
-    "resolve_pipeline",
-    "settle_bn_splits",
-    "settle_pipeline",
     "setup_process",
     "synchronises_batchnorm",
 ]
@@ -62,18 +57,18 @@ def setup_process(cfg: Config) -> torch.device:
 
 
 def build_data(
-    cfg: Config, device: torch.device, images: ImageList | None = None
+    cfg: Config, device: torch.device, images: ImageList | None = None, *, pipeline: str
 ) -> tuple[ImageList, EpochSampler, Iterable[dict[str, Any]]]:
-    """The training images (``images``, else those of ``data.path``) and their loader: every process sees its
-    share of each global batch, augmentations seeded per image (workers) or per global batch (device pipeline),
-    so a resumed epoch sees the same views."""
+    """The training images (``images``, else those of ``data.path``) and their loader, the views made by
+    ``pipeline`` (``workers`` or ``device``, as :func:`obow.training.settle.settle_run` settled it): every process
+    sees its share of each global batch, augmentations seeded per image (workers) or per global batch (device
+    pipeline), so a resumed epoch sees the same views."""
     world = D.world_size()
     if cfg.data.batch_size % world != 0:
         raise RunError(f"data.batch_size ({cfg.data.batch_size}) must be divisible by the {world} processes")
     if images is None:
         images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
     local_batch = cfg.data.batch_size // world
-    pipeline = data_pipeline(cfg, device)
     if pipeline == "device":
         cache = shared_cache(images, cfg, device)
         images = cache.images
@@ -114,75 +109,6 @@ def shared_cache(images: ImageList, cfg: Config, device: torch.device) -> ImageC
     if D.agree_any([error is not None], device)[0]:
         raise error or ValueError("the image cache could not be built: see the first process's message")
     return cache if cache is not None else build()
-
-
-def resolve_pipeline(pipeline: str, device: torch.device) -> str:
-    """``data.pipeline`` as a new run on ``device`` makes its views: ``auto`` is ``device`` on a GPU and
-    ``workers`` on a CPU; the other values are themselves."""
-    if pipeline != "auto":
-        return pipeline
-    return "device" if device.type == "cuda" else "workers"
-
-
-def data_pipeline(cfg: Config, device: torch.device) -> str:
-    """Who makes ``cfg``'s views on ``device``: ``data.pipeline``, or for ``auto`` (left in the ``config.yaml`` of a
-    run started before the choice was recorded, see :func:`settle_pipeline`) the rule runs then followed, which is
-    :func:`resolve_pipeline`'s."""
-    return resolve_pipeline(cfg.data.pipeline, device)
-
-
-def settle_pipeline(cfg: Config, device: torch.device, started_with: dict[str, Any] | None) -> Config:
-    """``cfg`` with ``data.pipeline: auto`` made concrete for a run, as ``train.precision: auto`` is: a run being
-    resumed keeps the pipeline it started with (``started_with``, the configuration
-    :func:`obow.training.state.started_config` reads; a run started on a GPU and resumed on a CPU makes the same
-    views, and a change of the default cannot switch a run half-way), a new run (``None``) takes
-    :func:`resolve_pipeline`'s choice. ``config.yaml`` and the checkpoint then hold it. A run whose configuration
-    says ``auto`` or nothing (started before the choice was recorded, or before the setting existed, whose
-    default ``auto`` it then had) keeps ``auto``, and its rule; asked for the pipeline that rule gives on
-    ``device`` (as a table pins its pipeline), it resumes as the same run."""
-    started = ((started_with or {}).get("data") or {}).get("pipeline")
-    unrecorded = started_with is not None and started not in ("workers", "device")
-    if cfg.data.pipeline != "auto":
-        if unrecorded and cfg.data.pipeline == resolve_pipeline("auto", device):
-            return settled(cfg, "auto")  # what the run's recorded auto makes here: the same run (e.g. a table's)
-        return cfg
-    if started in PIPELINES:
-        pipeline, why = started, "as the run started"
-    elif unrecorded:  # started before the choice was recorded (or data.pipeline existed)
-        pipeline, why = "auto", ""
-    else:
-        pipeline = resolve_pipeline("auto", device)
-        why = f"{'a GPU' if device.type == 'cuda' else 'a CPU'} run's default"
-    if pipeline != "auto":
-        log_main("Data: data.pipeline=auto -> %s (%s)", pipeline, why)
-    return settled(cfg, pipeline)
-
-
-def settle_bn_splits(cfg: Config, started_with: dict[str, Any] | None) -> Config:
-    """``cfg`` with a MoCo v2 run's ``moco.bn_splits: null`` made concrete: a run being resumed keeps what it started
-    with (``started_with``, :func:`obow.training.state.started_config`'s; a run started before the setting existed
-    trained with plain batch norm and keeps ``1``: changing it half-way would change the method), a new run takes
-    :func:`~obow.methods.mocov2.auto_bn_splits` of its per-process batch. ``config.yaml`` and the checkpoint then
-    hold it. Other methods, and a value given, are left as they are."""
-    if cfg.model.method != "mocov2" or cfg.moco.bn_splits is not None:
-        return cfg
-    from obow.methods.mocov2 import auto_bn_splits
-
-    processes = D.world_size()
-    local_batch = cfg.data.batch_size // processes
-    started = (as_it_ran(started_with or {}).get("moco") or {}).get("bn_splits")
-    if started_with is not None and started is not None:
-        unrecorded = "bn_splits" not in (started_with.get("moco") or {})
-        splits, why = started, "as the run started" + (", before the setting existed" if unrecorded else "")
-    else:
-        splits = auto_bn_splits(local_batch, processes)
-        why = f"sub-batches of {local_batch // splits} of the {local_batch} images per process"
-    log_main("MoCo: moco.bn_splits=null -> %d (%s)", splits, why)
-    return dataclasses.replace(cfg, moco=dataclasses.replace(cfg.moco, bn_splits=splits))
-
-
-def settled(cfg: Config, pipeline: str) -> Config:
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pipeline=pipeline))
 
 
 def synchronises_batchnorm(cfg: Config, device: torch.device) -> bool:

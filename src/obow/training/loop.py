@@ -12,8 +12,9 @@ uninterrupted run also passes through: at every epoch end, every ``train.checkpo
 ``train.checkpoint_minutes`` of training (so that a hard kill loses at most that much), and after SIGINT or
 SIGTERM, which let the step under way finish, write the checkpoint and stop (:class:`Interrupted`).
 
-What a run is built from (process, device, data, method, optimiser): :mod:`obow.training.build`; its
-precision: :mod:`obow.training.precision`; its threads: :mod:`obow.training.threads`. Files in ``<out>``:
+A run is settled, built, then trained: its ``auto`` settings and threads resolved once
+(:mod:`obow.training.settle`), then what it is built from (process, device, data, method, optimiser):
+:mod:`obow.training.build`; its arithmetic: :mod:`obow.training.precision`. Files in ``<out>``:
 :mod:`obow.training.state`; logs: :mod:`obow.training.logger`.
 """
 
@@ -41,15 +42,13 @@ from obow.training.build import (
     build_data,
     build_model,
     build_optimizer,
-    data_pipeline,
     prepare_step_model,
-    settle_bn_splits,
-    settle_pipeline,
     setup_process,
 )
 from obow.training.lock import RunLock
 from obow.training.logger import RunLogger, log_interval, log_main, logged_step, logged_steps
-from obow.training.precision import precision_context, settle_precision
+from obow.training.precision import precision_context
+from obow.training.settle import SettledRun, settle_run
 from obow.training.state import (
     Interrupted,
     RunError,
@@ -60,7 +59,6 @@ from obow.training.state import (
     open_run,
     save_run,
     start_or_resume,
-    started_config,
     summary,
 )
 from obow.training.threads import chosen_threads
@@ -173,20 +171,19 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
     # and the images found before it too: an empty --data leaves no folder with a config.yaml and a lock behind
     images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
     with RunLock(out, device=device):  # one writer per run folder, from here to the end
-        started_with = started_config(out)
-        cfg = settle_pipeline(settle_precision(cfg, device, started_with), device, started_with)
-        cfg = settle_bn_splits(cfg, started_with)
-        with chosen_threads(cfg, workers=data_pipeline(cfg, device) == "workers"):
-            return train_in_lock(cfg, out, device, monitor, images)
+        settled = settle_run(cfg, out, device)
+        with chosen_threads(settled.threads, settled.threads_why, workers=settled.pipeline == "workers"):
+            return train_in_lock(settled, out, device, monitor, images)
 
 
 def train_in_lock(
-    cfg: Config, out: Path, device: torch.device, monitor: MonitorFactory | None, images: ImageList
+    settled: SettledRun, out: Path, device: torch.device, monitor: MonitorFactory | None, images: ImageList
 ) -> dict[str, Any]:
-    """:func:`run_pretraining`'s work once the run folder is locked and ``cfg``'s ``auto`` settings settled, on the
-    training ``images`` it found."""
+    """:func:`run_pretraining`'s work once the run folder is locked and the run settled, on the training ``images``
+    it found: build, then train."""
+    cfg = settled.cfg
     ckpt = open_run(cfg, out)
-    images, sampler, loader = build_data(cfg, device, images)
+    images, sampler, loader = build_data(cfg, device, images, pipeline=settled.pipeline)
     iters_per_epoch = len(images) // cfg.data.batch_size
     total_iters = iters_per_epoch * cfg.optim.epochs
     model = build_model(cfg, total_iters, device, resuming=ckpt is not None)

@@ -1,20 +1,18 @@
 """``train.precision``: which arithmetic a run computes in, and the autocast of its steps.
 
-``auto`` is made concrete once, when a run starts (:func:`settle_precision`): bf16 where the device computes
-bfloat16 in hardware (:func:`native_bf16`), else fp32; a resumed run keeps the precision it started with.
+``auto`` is bf16 where the device computes bfloat16 in hardware (:func:`native_bf16`), else fp32
+(:func:`resolve_precision`); a run makes it concrete once, when it starts, and keeps it when resumed
+(:func:`obow.training.settle.settle_precision`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-from typing import Any
 
 import torch
 
 from obow.config import Config
-from obow.training import PRECISIONS
 from obow.training.logger import log_main
 from obow.training.state import RunError
 
@@ -24,8 +22,6 @@ __all__ = [
     "native_bf16",
     "precision_context",
     "resolve_precision",
-    "settle_precision",
-    "started_precision",
 ]
 
 
@@ -63,38 +59,6 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     if precision != "auto":
         return precision
     return "bf16" if native_bf16(device) else "fp32"
-
-
-def settle_precision(cfg: Config, device: torch.device, started_with: dict[str, Any] | None) -> Config:
-    """``cfg`` with ``train.precision: auto`` made concrete for a run: a run being resumed keeps the precision it
-    started with (``started_with``, the configuration :func:`obow.training.state.started_config` reads; a resume
-    on another machine computes as the run did, exactly), a new run (``None``) takes :func:`resolve_precision`'s
-    choice for ``device``. Every other ``cfg`` is returned as it is. ``config.yaml`` and the checkpoint then hold
-    the concrete value."""
-    if cfg.train.precision != "auto":
-        return cfg
-    started = started_precision(started_with)
-    precision = started or resolve_precision("auto", device)
-    why = (
-        "as the run started"
-        if started
-        else f"{'native' if precision == 'bf16' else 'no native'} bf16 on this {device.type}"
-    )
-    log_main("Precision: train.precision=auto -> %s (%s)", precision, why)
-    if precision == "bf16" and device.type == "cpu" and not native_bf16(device):
-        log_main(
-            "this run started in bf16 on a CPU with bf16 instructions; this one has none and emulates bfloat16, far "
-            "slower than fp32: the run keeps bf16 to resume exactly (a new --out can start in fp32 here)",
-            level=logging.WARNING,
-        )
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
-
-
-def started_precision(started_with: dict[str, Any] | None) -> str | None:
-    """The ``train.precision`` a run started with, from its configuration (``None``: a new run, or none
-    recorded)."""
-    precision = ((started_with or {}).get("train") or {}).get("precision")
-    return precision if precision in PRECISIONS and precision != "auto" else None
 
 
 def cpu_supports_bf16() -> bool | None:

@@ -16,10 +16,9 @@ __all__ = ["available_cores", "busy_machine_hint", "choose_threads", "chosen_thr
 
 
 @contextlib.contextmanager
-def chosen_threads(cfg: Config, workers: bool = True) -> Iterator[None]:
-    """Run with :func:`choose_threads`'s choice (said in the run's header, with the loader workers' one thread
-    when ``workers``: the device pipeline has none), then restore the caller's."""
-    threads, why = choose_threads(cfg)
+def chosen_threads(threads: int, why: str, workers: bool = True) -> Iterator[None]:
+    """Run with ``threads``, :func:`choose_threads`'s choice for ``why`` (said in the run's header, with the
+    loader workers' one thread when ``workers``: the device pipeline has none), then restore the caller's."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     log_main("Threads: %d per training process (%s)%s", threads, why, "; 1 per data-loading worker" if workers else "")

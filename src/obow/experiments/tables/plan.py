@@ -122,10 +122,10 @@ def table_pipeline(folder: Path, asked: str, device: str, sources: list[str | Pa
     """The ``data.pipeline`` that makes every run's views in the table in ``folder``, kept in its ``plan.json`` as
     :func:`table_precision` keeps the precision (a table begun on a CPU, in loader workers, and continued on a
     GPU, where ``auto`` means the device pipeline, goes on in loader workers); for a new table, ``asked`` as
-    :func:`obow.training.build.resolve_pipeline` makes it on ``device``."""
+    :func:`obow.training.settle.resolve_pipeline` makes it on ``device``."""
     import torch
 
-    from obow.training.build import resolve_pipeline
+    from obow.training.settle import resolve_pipeline
 
     new = resolve_pipeline(asked, torch.device(device))
     return _table_setting(folder, "pipeline", "data.pipeline", asked, new, UNRECORDED_PIPELINE, sources)

@@ -21,7 +21,7 @@ from obow.bow import ASSIGNMENTS, HEADS, POOLINGS, QUEUE_SAMPLINGS, VOCABULARIES
 from obow.checks import check_choice, check_positive, check_unit_interval
 from obow.data import LABEL_MODES, PIPELINES
 from obow.methods import LOSS_WEIGHTINGS, METHODS, MOCO_AUGMENTATIONS, MOMENTUM_SCHEDULES
-from obow.training import DEVICES, PRECISIONS
+from obow.training import COMPILE_MODES, DEVICES, PRECISIONS
 
 #: Smallest side a BoW level's map may have after border removal (room for the 3x3 local average).
 MIN_BOW_MAP = 3
@@ -315,7 +315,7 @@ class TrainConfig:
     device: str = "auto"
     precision: str = "fp32"
     channels_last: bool = False
-    compile: bool = False
+    compile: str | bool = "off"  # a bool in recipes and checkpoints written before `step` existed
     deterministic: bool = False
     sync_batchnorm: bool = True
     backward_per_group: bool = True
@@ -336,6 +336,9 @@ class TrainConfig:
         _check_int("train.threads", self.threads, minimum=0)
         check_choice("train.device", self.device, DEVICES)
         check_choice("train.precision", self.precision, PRECISIONS)
+        if isinstance(self.compile, bool):
+            self.compile = "networks" if self.compile else "off"
+        check_choice("train.compile", self.compile, COMPILE_MODES)
         _check_int("train.log_every", self.log_every, minimum=1)
         for name in ("checkpoint_every", "keep_every", "knn_every"):
             _check_int(f"train.{name}", getattr(self, name), minimum=0)
@@ -432,6 +435,9 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
+        if set(options) == {str, bool}:  # a choice that also takes true / false (train.compile)
+            boolean = isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("true", "false"))
+            return _coerce(name, bool if boolean else str, value)
         (inner,) = [o for o in options if o is not type(None)]
         return _coerce(name, inner, value)
     if hint is dict or origin is dict:

@@ -44,6 +44,9 @@ from obow.methods.base import Method
 
 __all__ = ["CompiledStep", "check_step_compilable", "compiled_step", "configure_optimizer"]
 
+#: The Dynamo backend of a run's compiled step (the tests put aot_eager here: Inductor's C++ takes minutes on a CPU).
+BACKEND: Any = "inductor"
+
 #: ``forward_backward(teacher_images, student_views) -> metrics``: the loop's forward and backward pass of a step.
 ForwardBackward = Callable[[Tensor, list[Tensor]], dict[str, Tensor]]
 
@@ -85,7 +88,7 @@ def compiled_step(
     if cfg.train.compile != "step":
         configure_optimizer(optimizer, step=False)
         return None
-    return CompiledStep(model, optimizer, forward_backward)
+    return CompiledStep(model, optimizer, forward_backward, backend=BACKEND)
 
 
 def configure_optimizer(optimizer: torch.optim.Optimizer, step: bool) -> Tensor | None:

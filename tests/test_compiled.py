@@ -70,10 +70,22 @@ def test_pretrain_refuses_mocov2_in_one_line(obow_cli, tiny_recipe, tmp_path):
         "pretrain", "--config", tiny_recipe, "--data", tmp_path, "--out", tmp_path / "run",
         "model.method=mocov2", "train.compile=step", check=False,
     )  # fmt: skip
-    assert result.code != 0
-    assert "train.compile=step does not support model.method=mocov2 yet" in result.err
+    assert result.code == 2
+    assert "obow: error: train.compile=step does not support model.method=mocov2 yet" in result.err
     assert "Traceback" not in result.err + result.out
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("mode", "networks_compiled"), [("off", False), ("networks", True), ("step", False)])
+def test_only_networks_compiles_the_networks(mode, networks_compiled):
+    """``off`` is a non-empty string: the networks are compiled for ``networks`` only (``step`` compiles the step)."""
+    from obow.training.build import prepare_step_model
+
+    cfg = tiny_config(train={"compile": mode})
+    model = build_model(cfg, 10, torch.device("cpu"))
+    prepare_step_model(model, cfg, torch.device("cpu"))
+    assert (model.student._compiled_call_impl is not None) == networks_compiled
+    assert (model.teacher._compiled_call_impl is not None) == networks_compiled
 
 
 # ------------------------------------------------------------------------------------------------ the pieces

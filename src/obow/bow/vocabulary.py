@@ -163,7 +163,10 @@ class KMeansVocabulary(Vocabulary):
         features = feature_map.flatten(2).transpose(1, 2).reshape(-1, c)
         nearest = distances.reshape(-1, k).argmin(dim=1)
         if codes is None:
-            batch_counts = torch.bincount(nearest, minlength=k).to(features.dtype)
+            # (not bincount, whose length depends on the data: one graph for a compiled step; exact below 2^24)
+            batch_counts = torch.zeros(k, device=features.device).index_add_(
+                0, nearest, torch.ones_like(features[:, 0])
+            )
             batch_sums = torch.zeros(k, c, device=features.device).index_add_(0, nearest, features)
         else:
             weights = codes.reshape(-1, k)
@@ -188,19 +191,24 @@ class KMeansVocabulary(Vocabulary):
         return diagnostics
 
     def _replace_rare_words(self, feature_map: Tensor) -> Tensor:
+        """Replace the stalest words that are rare by random local features of the batch; returns how many.
+
+        Shapes do not depend on the data (no host read, and one graph for a compiled step): the ``n`` stalest words
+        (``n``: the global batch, or ``K``) are the candidates, and those of them that are rare are replaced. The
+        random draws (a location per image, a permutation of the batch) are made on every step, whether a word is
+        rare or not, so that an eager step and a compiled one draw the same numbers."""
         stale = self.step - self.last_assigned
-        rare = torch.nonzero(stale > self.rare_word_steps).flatten()
-        if rare.numel() == 0:
-            return torch.zeros((), device=self.words.device)
         candidates = D.all_gather_cat(sample_one_feature_per_image(feature_map, "local"))
-        n = min(rare.numel(), candidates.shape[0])
-        rare = rare[torch.argsort(stale[rare], descending=True, stable=True)[:n]]
+        n = min(self.num_words, candidates.shape[0])
         choice = D.broadcast_(torch.randperm(candidates.shape[0], device=candidates.device)[:n])
-        self.words[rare] = candidates[choice].to(self.words.dtype)
-        self.counts[rare] = 0.0
-        self.sums[rare] = 0.0
-        self.last_assigned[rare] = self.step
-        return torch.tensor(float(n), device=self.words.device)
+        stalest = torch.argsort(stale, descending=True, stable=True)[:n]  # the rare ones first, stalest first
+        rare = (stale[stalest] > self.rare_word_steps).unsqueeze(1)
+        words = torch.where(rare, candidates[choice].to(self.words.dtype), self.words[stalest])
+        self.words.index_copy_(0, stalest, words)
+        self.counts.index_copy_(0, stalest, torch.where(rare[:, 0], 0.0, self.counts[stalest]))
+        self.sums.index_copy_(0, stalest, torch.where(rare, 0.0, self.sums[stalest]))
+        self.last_assigned.index_copy_(0, stalest, torch.where(rare[:, 0], self.step, self.last_assigned[stalest]))
+        return rare.sum().to(self.words.dtype)
 
 
 def build_vocabulary(cfg: ModelConfig, num_channels: int) -> Vocabulary:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from obow.checks import check_choice, check_positive, check_unit_interval
 from obow.config.choices import (
     ASSIGNMENTS,
+    COMPILE_MODES,
     DEVICES,
     HEADS,
     LABEL_MODES,
@@ -337,7 +338,7 @@ class TrainConfig:
     device: str = "auto"
     precision: str = "fp32"
     channels_last: bool = False
-    compile: bool = False
+    compile: str | bool = "off"  # a bool in recipes and checkpoints written before `step` existed
     deterministic: bool = False
     sync_batchnorm: bool = True
     backward_per_group: bool = True
@@ -358,6 +359,9 @@ class TrainConfig:
         _check_int("train.threads", self.threads, minimum=0)
         check_choice("train.device", self.device, DEVICES)
         check_choice("train.precision", self.precision, PRECISIONS)
+        if isinstance(self.compile, bool):
+            self.compile = "networks" if self.compile else "off"
+        check_choice("train.compile", self.compile, COMPILE_MODES)
         _check_int("train.log_every", self.log_every, minimum=1)
         for name in ("checkpoint_every", "keep_every", "knn_every"):
             _check_int(f"train.{name}", getattr(self, name), minimum=0)
@@ -472,6 +476,9 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
+        if set(options) == {str, bool}:  # a choice that also takes true / false (train.compile)
+            boolean = isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("true", "false"))
+            return _coerce(name, bool if boolean else str, value)
         (inner,) = [o for o in options if o is not type(None)]
         return _coerce(name, inner, value)
     if value is None:  # `optim.lr=` on the command line, or `lr:` with nothing after it in a recipe

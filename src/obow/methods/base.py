@@ -55,18 +55,24 @@ class GroupedStep:
 
 
 @torch.no_grad()
-def ema_update_(averages: Iterable[Tensor], sources: Iterable[Tensor], momentum: float) -> None:
+def ema_update_(averages: Iterable[Tensor], sources: Iterable[Tensor], momentum: float | Tensor) -> None:
     """``average <- momentum * average + (1 - momentum) * source`` in place, pair by pair.
 
     The teacher update of paper eq. 2 and MoCo's key-encoder update; the callers pass parameters only, so that
     the average's batch-norm statistics stay its own (official notes 2.10). ``momentum >= 1`` changes nothing.
+    A 0-d tensor ``momentum`` (a compiled step's, :mod:`obow.training.compiled`; float64 so that ``1 - momentum``
+    is the host's double) is not read by the host: its ``1 - momentum`` is the interpolation weight, rounded to
+    the averages' dtype as the host's float is (a weight of 0 leaves finite averages unchanged).
     """
     averages, sources = list(averages), [s.detach() for s in sources]
     if len(averages) != len(sources):
         raise ValueError(f"{len(averages)} averages for {len(sources)} sources: they must pair up")
-    if momentum >= 1.0 or not averages:  # _foreach_lerp_ rejects empty lists (a parameter-free network)
+    if not averages:  # _foreach_lerp_ rejects empty lists (a parameter-free network)
         return
-    torch._foreach_lerp_(averages, sources, 1.0 - momentum)
+    if isinstance(momentum, Tensor):
+        torch._foreach_lerp_(averages, sources, (1.0 - momentum).to(averages[0].dtype))
+    elif momentum < 1.0:
+        torch._foreach_lerp_(averages, sources, 1.0 - momentum)
 
 
 def check_views(teacher_images: Tensor, student_views: Sequence[Tensor]) -> list[Tensor]:
@@ -113,6 +119,10 @@ class Method(nn.Module):
         #: buffer of the methods that keep one), so that a schedule read on every step does not read the device
         #: (a synchronisation on a GPU); ``None``: read the buffer.
         self.host_iteration: int | None = None
+        #: The momentum of the step about to run as a 0-d float64 tensor, written in place by a compiled step
+        #: (:mod:`obow.training.compiled`) so that a changing value is neither a host value nor a recompilation;
+        #: ``None``: the method computes it on the host.
+        self.momentum_input: Tensor | None = None
 
     def prepare(self, images: ImageList, cfg: Config, device: torch.device) -> Any:
         """Once, before the first step of a new run; nothing by default."""

@@ -116,7 +116,7 @@ class OBoW(Method):
         return teacher_momentum(iteration, self.total_iterations, self.base_momentum, self.momentum_schedule)
 
     @torch.no_grad()
-    def update_teacher(self, momentum: float) -> None:
+    def update_teacher(self, momentum: float | Tensor) -> None:
         """``theta_T <- momentum * theta_T + (1 - momentum) * theta_S`` over parameters only; the teacher's
         batch-norm statistics are its own (official notes 2.10)."""
         ema_update_(self.teacher.parameters(), self.student.parameters(), momentum)
@@ -148,6 +148,8 @@ class OBoW(Method):
         groups = check_views(teacher_images, student_views)
         step = self.grouped_step(group, len(groups), lambda: self._teacher_side(teacher_images))
         state = step.state
+        if step.first and group is not None:  # (only then: a compiled whole step must not return such leaves)
+            state["leaf_weights"] = [w.detach().requires_grad_(w.requires_grad) for w in state["weights"]]
         metrics = dict(state["metrics"]) if step.first else {}
         loss = teacher_images.new_zeros((), dtype=torch.float32)
         for g in step.groups:
@@ -171,10 +173,10 @@ class OBoW(Method):
         """EMA update, BoW targets (and the vocabulary update), and the prediction weights over ``V_t``."""
         metrics: dict[str, Tensor] = {}
         if self.training:
-            momentum = self.current_momentum()
+            momentum = self.current_momentum() if self.momentum_input is None else self.momentum_input
             self.update_teacher(momentum)
             self.iteration += 1
-            metrics["teacher_momentum"] = torch.tensor(momentum)
+            metrics["teacher_momentum"] = torch.as_tensor(momentum, dtype=torch.float32)
         vocabularies = [self.extractors[level].vocabulary.words.clone() for level in self.levels]
         bows = self.teacher_targets(teacher_images)
         for level, bow in bows.items():
@@ -191,7 +193,6 @@ class OBoW(Method):
             "metrics": metrics,
             "bows": bows,
             "weights": weights,
-            "leaf_weights": [w.detach().requires_grad_(w.requires_grad) for w in weights],
         }
 
     def _group_loss(

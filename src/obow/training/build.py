@@ -161,7 +161,7 @@ def prepare_step_model(model: Method, cfg: Config, device: torch.device) -> nn.M
     step_model: nn.Module = model
     if D.is_distributed():
         step_model = D.ddp_without_buffer_sync(model, [device.index] if device.type == "cuda" else None)
-    if cfg.train.compile:
+    if cfg.train.compile == "networks":
         model.student.compile()
         if model.teacher is not None:
             model.teacher.compile()

@@ -45,6 +45,7 @@ from obow.training.build import (
     prepare_step_model,
     setup_process,
 )
+from obow.training.compiled import CompiledStep, check_step_compilable, compiled_step
 from obow.training.lock import RunLock
 from obow.training.logger import RunLogger, log_interval, log_main, logged_step, logged_steps
 from obow.training.precision import precision_context
@@ -129,6 +130,7 @@ class Run:
     iters_per_epoch: int
     logger: RunLogger
     boundary: StepBoundary
+    compiled: CompiledStep | None = None  # train.compile: step
 
     def save(self, state: RunState) -> None:
         """The checkpoint of ``state``; every process calls it at the same step boundary."""
@@ -168,6 +170,8 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
     if cfg.data.path is None:
         raise RunError("no training images: set data.path (obow pretrain --data DIR)")
     check_inputs(cfg)  # before the run folder is created
+    if cfg.train.compile == "step" and (why := check_step_compilable(cfg)):
+        raise RunError(why)
     # and the images found before it too: an empty --data leaves no folder with a config.yaml and a lock behind
     images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
     with RunLock(out, device=device):  # one writer per run folder, from here to the end
@@ -206,7 +210,9 @@ def train_in_lock(
     with handle_signals(announce=D.is_main_process()) as signals:
         boundary = StepBoundary(signals, cfg.train.checkpoint_minutes, device)
         parts = (model, step_model, optimizer, scaler, sampler, loader, iters_per_epoch, logger, boundary)
-        run = Run(cfg, out, device, *parts)
+        run = Run(
+            cfg, out, device, *parts, compiled=compiled_step(cfg, model, optimizer, step_forward_backward(cfg, model))
+        )
         try:
             train_epochs(run, state, epoch_monitor)
         except Interrupted:
@@ -319,9 +325,11 @@ def step_boundary(run: Run, state: RunState) -> None:
 
 def train_step(run: Run, views: dict[str, torch.Tensor], lr: float) -> dict[str, torch.Tensor]:
     """One optimiser step at learning rate ``lr`` on a batch of views; returns the step's detached metrics."""
+    teacher_images, student_views = to_device(views, run.device, run.cfg.train.channels_last)
+    if run.compiled is not None:
+        return run.compiled(teacher_images, student_views, lr)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    teacher_images, student_views = to_device(views, run.device, run.cfg.train.channels_last)
     run.optimizer.zero_grad(set_to_none=True)
     metrics = forward_backward(
         run.step_model,
@@ -357,15 +365,25 @@ def make_monitor(
     return factory(cfg, images, device)
 
 
+def step_forward_backward(cfg: Config, model: Method) -> Callable[[torch.Tensor, list[torch.Tensor]], dict]:
+    """:func:`forward_backward` of ``model`` as a compiled step calls it (no gradient scaler: fp32 or bf16)."""
+    autocast = precision_context(cfg.train.precision, next(model.parameters()).device)
+    per_group = cfg.train.backward_per_group and model.supports_groups
+    return lambda teacher_images, student_views: forward_backward(
+        model, teacher_images, student_views, None, autocast, per_group
+    )
+
+
 def forward_backward(
     step_model: nn.Module,
     teacher_images: torch.Tensor,
     student_views: list[torch.Tensor],
-    scaler: torch.amp.GradScaler,
+    scaler: torch.amp.GradScaler | None,
     autocast: contextlib.AbstractContextManager,
     per_group: bool,
 ) -> dict[str, torch.Tensor]:
     """Forward and backward of one step; returns the step's detached metrics (``"loss"``: the whole loss).
+    ``scaler``: fp16's gradient scaler, or ``None`` (a compiled step, :mod:`obow.training.compiled`).
 
     With ``per_group`` each student view group is back-propagated before the next is built (the loss is a
     sum over groups), so only one group's activations are held at a time; under DDP the gradients are
@@ -374,22 +392,26 @@ def forward_backward(
     if not per_group or len(student_views) == 1:
         with autocast:
             output = step_model(teacher_images, student_views)
-        scaler.scale(output.loss).backward()
+        scaled(scaler, output.loss).backward()
         return output.metrics
     metrics: dict[str, torch.Tensor] = {}
     total = torch.zeros((), device=teacher_images.device)
-    grad_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+    grad_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
     for g in range(len(student_views)):
         last = g == len(student_views) - 1
         no_sync = step_model.no_sync() if D.is_distributed() and not last else contextlib.nullcontext()
         with no_sync:
             with autocast:
                 output = step_model(teacher_images, student_views, group=g, grad_scale=grad_scale)
-            scaler.scale(output.loss).backward()
+            scaled(scaler, output.loss).backward()
         metrics.update(output.metrics)
         total += output.metrics["loss"]
     metrics["loss"] = total
     return metrics
+
+
+def scaled(scaler: torch.amp.GradScaler | None, loss: torch.Tensor) -> torch.Tensor:
+    return loss if scaler is None else scaler.scale(loss)
 
 
 def to_device(views: dict[str, torch.Tensor], device: torch.device, channels_last: bool):

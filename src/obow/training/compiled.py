@@ -1,0 +1,175 @@
+"""``train.compile: step``: the whole training step as two compiled graphs, one call each from the host.
+
+On a GPU the eager step is bound by the host issuing its kernels (thousands a step, docs/results/step_ops.md);
+a step compiled whole, and then replayed as a CUDA graph, issues them in a few calls. :class:`CompiledStep` is
+that step: the forward and the backward pass as one graph (``fullgraph=True``: a graph break is an error, not a
+silent split; ``Tensor.backward`` is traced with ``torch._dynamo.config.trace_autograd_ops``), and the
+optimiser step as a second one (PyTorch's compiled-optimiser pattern: ``optimizer.step`` graph-breaks on
+purpose inside another graph).
+
+Nothing a step changes is a Python value that the graphs read, so that nothing recompiles across steps, epochs,
+a resumption, a change of learning rate or the last batch, and the host reads nothing from the device on an
+unlogged step:
+
+* the learning rate and the teacher momentum are 0-d device tensors written in place before each step (the
+  optimiser's ``lr`` is that tensor; the method reads :attr:`~obow.methods.base.Method.momentum_input`); the
+  momentum is float64, so that ``1 - momentum`` is the host's double, as in the eager step;
+* the iteration, queue pointers and k-means statistics are buffers updated in place, with shapes that never
+  depend on the data (:mod:`obow.bow.vocabulary`);
+* the logged steps' diagnostics are a second compiled variant of the forward and backward graph (the method's
+  ``diagnose``), compiled once, on the first logged step.
+
+The compiled step computes what the eager one does: with ``backend="aot_eager"`` the same operators run, with
+the same random numbers; with Inductor (the default), its generated kernels round differently, and its random
+numbers are PyTorch's own (``fallback_random``), so that a compiled run draws what an eager one draws. The
+optimiser runs as ``foreach`` rather than ``fused`` (Dynamo does not trace the fused kernel), with the same
+momentum buffers, so a checkpoint moves between an eager run and a compiled one.
+
+Not yet: MoCo v2 (its key momentum must become a tensor first), BoWNet and RotNet, several processes
+(DistributedDataParallel), fp16 (the gradient scaler's skip reads the device), and cut-mixed views (the box
+is drawn on the host each step and would be a new graph each time); each is refused with one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from obow import distributed as D
+from obow.config import Config
+from obow.methods.base import Method
+
+__all__ = ["CompiledStep", "check_step_compilable", "compiled_step", "configure_optimizer"]
+
+#: The Dynamo backend of a run's compiled step (the tests put aot_eager here: Inductor's C++ takes minutes on a CPU).
+BACKEND: Any = "inductor"
+
+#: ``forward_backward(teacher_images, student_views) -> metrics``: the loop's forward and backward pass of a step.
+ForwardBackward = Callable[[Tensor, list[Tensor]], dict[str, Tensor]]
+
+
+def check_step_compilable(cfg: Config) -> str | None:
+    """Why ``cfg`` cannot train with ``train.compile: step`` (one line), or ``None`` when it can."""
+    method = cfg.model.method
+    if method == "mocov2":
+        return "train.compile=step does not support model.method=mocov2 yet; use train.compile=networks or off"
+    if method in ("bownet", "rotnet"):
+        return (
+            f"train.compile=step does not support model.method={method}: its step reads host values each step "
+            "(not yet made tensors); use train.compile=networks or off"
+        )
+    if cfg.model.cutmix:
+        return (
+            "train.compile=step does not support model.cutmix yet (its box is drawn on the host and would be a new "
+            "graph every step); use train.compile=networks or off"
+        )
+    if cfg.train.precision == "fp16":
+        return (
+            "train.compile=step does not support train.precision=fp16 (its gradient scaler reads the device); use bf16"
+        )
+    if D.is_distributed():
+        return "train.compile=step does not support several processes yet; use train.compile=networks or off"
+    if not hasattr(torch._dynamo.config, "trace_autograd_ops"):
+        return (
+            f"train.compile=step needs a torch that traces Tensor.backward (torch._dynamo.config.trace_autograd_ops); "
+            f"this is torch {torch.__version__}"
+        )
+    return None
+
+
+def compiled_step(
+    cfg: Config, model: Method, optimizer: torch.optim.Optimizer, forward_backward: ForwardBackward
+) -> CompiledStep | None:
+    """The run's :class:`CompiledStep` with ``train.compile: step``; otherwise ``None``, and the optimiser as the
+    eager step wants it, whichever run wrote the state it resumed (:func:`configure_optimizer`)."""
+    if cfg.train.compile != "step":
+        configure_optimizer(optimizer, step=False)
+        return None
+    return CompiledStep(model, optimizer, forward_backward, backend=BACKEND)
+
+
+def configure_optimizer(optimizer: torch.optim.Optimizer, step: bool) -> Tensor | None:
+    """The optimiser as a compiled step (``step``) or the eager one needs it, whatever run wrote its state:
+    ``foreach`` with a 0-d tensor learning rate (returned; :class:`CompiledStep` writes it in place), or
+    ``fused`` with a float one (the loop sets it each step)."""
+    lr = None
+    if step:
+        device = optimizer.param_groups[0]["params"][0].device
+        lr = torch.zeros((), device=device)
+    for group in optimizer.param_groups:
+        group.update(fused=not step, foreach=True if step else None, lr=lr if step else float(group["lr"]))
+    return lr
+
+
+class CompiledStep:
+    """One training step of ``model`` as two compiled graphs: ``forward_backward`` (the loop's, closed over the
+    model, precision and per-group setting) and ``optimizer.step()``. Call it as the loop's step:
+    ``metrics = step(teacher_images, student_views, lr)``.
+
+    ``backend``: ``"inductor"`` (the default; with ``fallback_random``) or e.g. ``"aot_eager"`` (the tests'), or a
+    Dynamo backend object (a compile counter). ``options``: Inductor's, e.g. ``{"triton.cudagraphs": True}``.
+    """
+
+    def __init__(
+        self,
+        model: Method,
+        optimizer: torch.optim.Optimizer,
+        forward_backward: ForwardBackward,
+        *,
+        backend: Any = "inductor",
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        if not hasattr(model, "current_momentum"):
+            raise ValueError(f"{type(model).__name__} has no teacher momentum schedule for a compiled step")
+        self.model = model
+        self.optimizer = optimizer
+        self.forward_backward = forward_backward
+        self.lr = configure_optimizer(optimizer, step=True)
+        device = self.lr.device
+        self.momentum = torch.zeros((), dtype=torch.float64, device=device)
+        model.momentum_input = self.momentum
+        start_momentum_buffers(optimizer)
+        if backend == "inductor":
+            options = {"fallback_random": True, **(options or {})}
+        compile_ = dict(backend=backend, options=options) if options else dict(backend=backend)
+        self._unlogged = torch.compile(self._forward_backward_unlogged, fullgraph=True, **compile_)
+        self._logged = torch.compile(self._forward_backward_logged, fullgraph=True, **compile_)
+        self._step = torch.compile(self._optimizer_step, **compile_)
+
+    def __call__(self, teacher_images: Tensor, student_views: list[Tensor], lr: float) -> dict[str, Tensor]:
+        """One step at learning rate ``lr``; returns its detached metrics (device tensors)."""
+        self.lr.fill_(lr)
+        self.momentum.fill_(self.model.current_momentum())  # from host_iteration: no read of the device
+        self.optimizer.zero_grad(set_to_none=True)
+        forward_backward = self._logged if self.model.diagnose else self._unlogged
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            metrics = forward_backward(teacher_images, student_views)
+        self._step()
+        return metrics
+
+    # Two functions with the same body: Dynamo keeps compiled code per Python function, so the logged variant
+    # (diagnose=True) is a second graph compiled once, not a recompilation of the first on every logged step.
+    def _forward_backward_unlogged(self, teacher_images: Tensor, student_views: list[Tensor]) -> dict[str, Tensor]:
+        return self.forward_backward(teacher_images, student_views)
+
+    def _forward_backward_logged(self, teacher_images: Tensor, student_views: list[Tensor]) -> dict[str, Tensor]:
+        return self.forward_backward(teacher_images, student_views)
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()
+
+
+def start_momentum_buffers(optimizer: torch.optim.Optimizer) -> None:
+    """SGD's momentum buffers as zeros where the optimiser has none yet (a new run), so that the first step is the
+    graph of every later one. The same values: SGD's first step sets a buffer to the gradient, which
+    ``momentum * 0 + gradient`` is."""
+    for group in optimizer.param_groups:
+        if group.get("momentum", 0.0) == 0.0:
+            continue
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)

@@ -1,0 +1,337 @@
+"""``train.compile: step`` (obow.training.compiled): the setting, the refusals, the pieces of the step that must
+not read the device or change shape with the data, and (slow: each compiled variant takes a minute of Dynamo on
+a CPU) the compiled step against the eager one, step for step, and a whole run with no recompilation."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from obow.bow.targets import flatten_locations, squared_distances
+from obow.bow.vocabulary import KMeansVocabulary
+from obow.config import Config, ConfigError, from_dict
+from obow.methods.base import ema_update_
+from obow.training.build import build_model, build_optimizer
+from obow.training.compiled import CompiledStep, check_step_compilable, configure_optimizer
+from obow.training.loop import forward_backward
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import TINY_RECIPE  # noqa: E402
+
+
+def tiny_config(**sections) -> Config:
+    values = yaml.safe_load(TINY_RECIPE)
+    for section, settings in sections.items():
+        values.setdefault(section, {}).update(settings)
+    return from_dict(Config, values)
+
+
+# ------------------------------------------------------------------------------------------------ the setting
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"), [(True, "networks"), (False, "off"), ("true", "networks"), ("step", "step")]
+)
+def test_compile_setting_keeps_its_old_values(value, mode):
+    """``true`` / ``false`` (recipes and checkpoints written before ``step`` existed) mean networks / off."""
+    assert tiny_config(train={"compile": value}).train.compile == mode
+
+
+def test_compile_setting_refuses_other_values():
+    with pytest.raises(ConfigError, match=r"train\.compile='graph' is not allowed"):
+        tiny_config(train={"compile": "graph"})
+
+
+@pytest.mark.parametrize(
+    ("sections", "says"),
+    [
+        ({"model": {"method": "mocov2"}}, "mocov2 yet"),
+        ({"model": {"method": "rotnet"}}, "model.method=rotnet"),
+        ({"model": {"cutmix": True}}, "model.cutmix"),
+        ({"train": {"precision": "fp16"}}, "fp16"),
+    ],
+)
+def test_step_refuses_what_it_cannot_do_yet(sections, says):
+    why = check_step_compilable(tiny_config(**sections))
+    assert says in why and "\n" not in why
+    assert check_step_compilable(tiny_config()) is None
+
+
+def test_pretrain_refuses_mocov2_in_one_line(obow_cli, tiny_recipe, tmp_path):
+    result = obow_cli(
+        "pretrain", "--config", tiny_recipe, "--data", tmp_path, "--out", tmp_path / "run",
+        "model.method=mocov2", "train.compile=step", check=False,
+    )  # fmt: skip
+    assert result.code == 2
+    assert "obow: error: train.compile=step does not support model.method=mocov2 yet" in result.err
+    assert "Traceback" not in result.err + result.out
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("mode", "networks_compiled"), [("off", False), ("networks", True), ("step", False)])
+def test_only_networks_compiles_the_networks(mode, networks_compiled):
+    """``off`` is a non-empty string: the networks are compiled for ``networks`` only (``step`` compiles the step)."""
+    from obow.training.build import prepare_step_model
+
+    cfg = tiny_config(train={"compile": mode})
+    model = build_model(cfg, 10, torch.device("cpu"))
+    prepare_step_model(model, cfg, torch.device("cpu"))
+    assert (model.student._compiled_call_impl is not None) == networks_compiled
+    assert (model.teacher._compiled_call_impl is not None) == networks_compiled
+
+
+# ------------------------------------------------------------------------------------------------ the pieces
+
+
+def test_tensor_momentum_updates_as_the_float_one_bit_for_bit():
+    """The compiled step's float64 0-d momentum gives the eager step's teacher exactly; 1 changes nothing."""
+    torch.manual_seed(0)
+    averages = [torch.randn(7, 5), torch.randn(3)]
+    sources = [torch.randn(7, 5), torch.randn(3)]
+    for momentum in (0.99, 0.9937, 1 - 1e-7, 1.0):
+        by_float = [a.clone() for a in averages]
+        by_tensor = [a.clone() for a in averages]
+        ema_update_(by_float, sources, momentum)
+        ema_update_(by_tensor, sources, torch.tensor(momentum, dtype=torch.float64))
+        for f, t in zip(by_float, by_tensor, strict=True):
+            assert torch.equal(f, t)
+        # float64 reference of a * m + s * (1 - m), to float32 rounding
+        expected = np.float64(averages[0].numpy()) * momentum + np.float64(sources[0].numpy()) * (1 - momentum)
+        np.testing.assert_allclose(by_tensor[0].numpy(), expected, rtol=2e-7, atol=1e-7)
+    unchanged = [a.clone() for a in averages]
+    ema_update_(unchanged, sources, torch.tensor(1.0, dtype=torch.float64))
+    assert all(torch.equal(u, a) for u, a in zip(unchanged, averages, strict=True))
+
+
+class DataDependentOps(TorchDispatchMode):
+    """Records the operators whose result the host must read (``.item()``, ``int()``) or whose shape depends on
+    the data (``nonzero``, ``bincount``, ``masked_select``): a device sync each, and no single graph."""
+
+    NAMES = {"_local_scalar_dense", "nonzero", "bincount", "masked_select", "unique", "_unique2"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func.overloadpacket.__name__ in self.NAMES:
+            self.seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_kmeans_update_has_no_data_dependent_shapes_or_host_reads():
+    """Every step of online k-means with rare-word replacement, rare words or not: no nonzero, no bincount, no
+    host read (the replacement used nonzero and a count of it, the statistics bincount)."""
+    k, c = 8, 3
+    vocab = KMeansVocabulary(k, c, rare_word_steps=1)
+    vocab.words[1:] = 1000.0
+    for _ in range(3):  # step 1: no rare word yet; steps 2, 3: rare words replaced
+        fmap = torch.rand(4, c, 2, 2)
+        with DataDependentOps() as ops:
+            diagnostics = vocab.update(fmap, squared_distances(flatten_locations(fmap), vocab.words), None)
+        assert ops.seen == []
+    assert float(diagnostics["rare_words_replaced"]) > 0
+
+
+def test_kmeans_statistics_count_as_bincount_did():
+    """The batch counts (index_add of ones) are the assignments' histogram: N after one step with momentum g is
+    (1 - g) * counts, against NumPy's bincount."""
+    k, c, g = 5, 2, 0.9
+    vocab = KMeansVocabulary(k, c, momentum=g, rare_word_steps=None)
+    fmap = torch.rand(3, c, 3, 3)
+    distances = squared_distances(flatten_locations(fmap), vocab.words)
+    vocab.update(fmap, distances, None)
+    counts = np.bincount(distances.reshape(-1, k).argmin(1).numpy(), minlength=k)
+    np.testing.assert_allclose(vocab.counts.numpy(), (1 - g) * counts, rtol=1e-6)
+
+
+def test_unlogged_eager_step_reads_nothing_from_the_device():
+    """The step_ops count as a test: an unlogged OBoW step (k-means vocabulary with rare-word replacement, whose
+    words go rare on the second step) issues no host read and no data-dependent shape."""
+    cfg = tiny_config(model={"vocabulary": "kmeans", "rare_word_steps": 1})
+    model = build_model(cfg, 10, torch.device("cpu")).train()
+    optimizer = build_optimizer(model, cfg)
+    model.diagnose = False
+    for iteration in range(2):
+        model.host_iteration = iteration
+        views = [torch.rand(8, 1, 3, 16, 16), torch.rand(8, 2, 3, 8, 8)]
+        with DataDependentOps() as ops:
+            forward_backward(model, torch.rand(8, 3, 24, 24), views, None, contextlib.nullcontext(), True)
+            optimizer.step()
+        assert ops.seen == []
+
+
+def test_optimizer_configuration_round_trips_between_off_and_step():
+    """A state written by a compiled run (foreach, tensor lr) resumes as the eager step wants it (fused, float
+    lr) and back, with the momentum buffers untouched."""
+    cfg = tiny_config()
+    model = build_model(cfg, 10, torch.device("cpu"))
+    optimizer = build_optimizer(model, cfg)
+    lr = configure_optimizer(optimizer, step=True)
+    assert all(g["lr"] is lr and g["foreach"] and not g["fused"] for g in optimizer.param_groups)
+    lr.fill_(0.25)
+    state = optimizer.state_dict()
+    eager = build_optimizer(model, cfg)
+    eager.load_state_dict(state)
+    assert configure_optimizer(eager, step=False) is None
+    assert all(g["fused"] and g["foreach"] is None and g["lr"] == 0.25 for g in eager.param_groups)
+
+
+# ------------------------------------------------------------------------------------------------ the compiled step
+
+#: The compiled step against the eager one. The forward and backward pass are bit for bit the eager ones (the same
+#: operators on the same random numbers under aot_eager): metrics, gradients, teacher, vocabularies, queue
+#: pointers, temperature statistics and batch-norm buffers are compared with torch.equal. The optimiser is not:
+#: SGD with a tensor learning rate, as torch.optim compiles it, multiplies the update by -lr and then adds it (two
+#: roundings), where the eager step's kernel adds ``-lr * update`` in one (fused: 2.4e-7 apart from foreach after 3
+#: steps of a toy problem); the weights and momentum buffers after a step agree to :func:`rounding`.
+#: Each step starts from the same state (the eager model takes the compiled one's), so that the comparison is of
+#: one step, 20 times, and not of a trajectory, which k-means' nearest-word choices make chaotic.
+STEPS = 20
+#: A whole run, eager (fused SGD) against compiled: 6 steps of the tiny recipe, free-running from the same start.
+RTOL, ATOL, MOMENTUM_RTOL = 1e-4, 1e-5, 1e-4
+
+
+def random_batch(i: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.rand(8, 3, 24, 24, generator=g), [
+        torch.rand(8, 1, 3, 16, 16, generator=g),
+        torch.rand(8, 2, 3, 8, 8, generator=g),
+    ]
+
+
+def rounding(after: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """Two float32 roundings of ``after = before + update``: 2 ulps of the result and of the update (an element
+    near zero after a large update keeps the update's rounding), and the smallest normal float."""
+    eps = torch.finfo(torch.float32).eps
+    return 2 * eps * (after.abs() + (after - before).abs()) + torch.finfo(torch.float32).tiny
+
+
+def assert_buffers_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """SGD's momentum buffers (sums of gradients, whose terms cancel: an element near zero keeps the absolute
+    rounding of its terms, not a relative one) agree to MOMENTUM_RTOL of the buffer's norm."""
+    error = float((got.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30))
+    assert error <= MOMENTUM_RTOL, f"momentum buffer {tuple(expected.shape)}: relative error {error:.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model_settings",
+    [{}, {"vocabulary": "kmeans", "rare_word_steps": 3, "levels": ["conv4", "conv5"], "border": 0}],
+    ids=["queue", "kmeans_multiscale"],
+)
+@pytest.mark.parametrize("per_group", [False, True], ids=["whole", "per_group"])
+def test_compiled_step_equals_the_eager_step(model_settings, per_group):
+    """STEPS steps, logged and unlogged, with a learning rate that changes every step, each from the same state and
+    random numbers: the compiled step computes what the eager one does (see STEPS), draws as many random numbers,
+    and after the first unlogged and the first logged step nothing compiles again."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    cfg = tiny_config(model=model_settings)
+    eager, compiled = (build_model(cfg, STEPS, torch.device("cpu")).train() for _ in range(2))
+    eager_opt, compiled_opt = build_optimizer(eager, cfg), build_optimizer(compiled, cfg)
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def compiled_forward_backward(teacher, views):
+        return forward_backward(compiled, teacher, views, None, contextlib.nullcontext(), per_group)
+
+    step = CompiledStep(compiled, compiled_opt, compiled_forward_backward, backend=counter)
+    graphs_after = {}
+    for i in range(STEPS):
+        eager.load_state_dict(compiled.state_dict())
+        eager_opt.load_state_dict(copy.deepcopy(compiled_opt.state_dict()))  # (else they share the buffers)
+        configure_optimizer(eager_opt, step=False)  # fused, as an eager run's
+        teacher, views = random_batch(i)
+        lr = 0.05 * (1 + np.cos(np.pi * i / STEPS)) / 2
+        logged = i % 7 == 3
+        for model in (eager, compiled):
+            model.diagnose, model.host_iteration = logged, i
+        before = {name: p.detach().clone() for name, p in compiled.named_parameters()}
+        trained = [p for group in compiled_opt.param_groups for p in group["params"]]
+        buffers_before = {p: compiled_opt.state[p]["momentum_buffer"].clone() for p in trained}
+        state = torch.get_rng_state()
+        for group in eager_opt.param_groups:
+            group["lr"] = lr
+        eager_opt.zero_grad(set_to_none=True)
+        expected = forward_backward(eager, teacher, views, None, contextlib.nullcontext(), per_group)
+        gradients = [p.grad for p in eager.parameters()]
+        eager_opt.step()
+        drawn = torch.get_rng_state()
+        torch.set_rng_state(state)
+        got = step(teacher, views, lr)
+        assert torch.equal(torch.get_rng_state(), drawn)  # the compiled step drew as many numbers
+        assert got.keys() == expected.keys()
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), f"step {i}, {key}: {got[key]} != {expected[key]}"
+        for p, gradient in zip(compiled.parameters(), gradients, strict=True):
+            assert (p.grad is None) == (gradient is None) and (gradient is None or torch.equal(p.grad, gradient))
+        parameters = {name for name, _ in compiled.named_parameters()}
+        a, b = eager.state_dict(), compiled.state_dict()
+        for key in a:
+            if key in parameters:  # the optimiser's rounding
+                excess = float(((b[key] - a[key]).abs() / rounding(a[key], before[key])).max())
+                assert excess <= 1, f"step {i}, {key}: {excess:.3g} times the tolerance"
+            else:  # the teacher (an EMA of the student before this update), vocabularies, statistics, BN buffers
+                assert torch.equal(b[key], a[key]), f"step {i}, {key}"
+        eager_trained = [p for group in eager_opt.param_groups for p in group["params"]]
+        for p_eager, p_compiled in zip(eager_trained, trained, strict=True):
+            a, b = eager_opt.state[p_eager]["momentum_buffer"], compiled_opt.state[p_compiled]["momentum_buffer"]
+            excess = float(((b - a).abs() / rounding(a, buffers_before[p_compiled])).max())
+            assert excess <= 1, f"step {i}, momentum buffer {tuple(a.shape)}: {excess:.3g} times the tolerance"
+        graphs_after[i] = counter.frame_count
+    assert int(compiled.iteration) == STEPS
+    # compiled on the first step (forward-backward, optimiser) and the first logged one (step 3), never again
+    assert graphs_after[STEPS - 1] == graphs_after[3] > graphs_after[0] > 0
+
+
+@pytest.mark.slow
+def test_a_compiled_run_never_recompiles_and_its_checkpoints_move_to_and_from_eager(
+    tmp_path, tiny_recipe, write_images, monkeypatch
+):
+    """``obow pretrain``'s loop with ``train.compile=step``: two epochs (learning rate changing every step of the
+    warm-up, then per epoch), logged and unlogged steps, the last batch of each epoch, and a resumption (a new
+    process: Dynamo's caches emptied) compile each graph once: a recompilation is an error here. Its final state
+    is the eager run's, and an epoch-1 checkpoint of either run, continued by the other mode, ends there too."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from obow.config import load_config
+    from obow.training import compiled
+    from obow.training.loop import pretrain
+    from obow.weights.checkpoint import load_checkpoint
+
+    data = write_images(tmp_path / "data")  # 24 images: 3 steps an epoch
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(compiled, "BACKEND", counter)
+    settings = [f"data.path={data}", "optim.epochs=2", "train.log_every=2", "train.keep_every=1", "train.knn_every=0"]
+    settings += ["train.tensorboard=false"]
+
+    def run(out: Path, mode: str) -> dict:
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            pretrain(load_config(tiny_recipe, [*settings, f"train.compile={mode}"]), out)
+        return load_checkpoint(out / "checkpoint.pt")
+
+    finals = {mode: run(tmp_path / mode, mode) for mode in ("step", "off")}
+    assert counter.frame_count > 0
+    for mode, other in (("off", "step"), ("step", "off")):
+        out = tmp_path / f"{mode}_then_{other}"
+        out.mkdir()
+        (out / "checkpoint.pt").write_bytes((tmp_path / mode / "checkpoints" / "epoch_0001.pt").read_bytes())
+        (out / "config.yaml").write_bytes((tmp_path / mode / "config.yaml").read_bytes())
+        finals[out.name] = run(out, other)
+    reference = finals["off"]
+    for name, final in finals.items():
+        assert final["iteration"] == 6, name
+        for key, value in reference["model"].items():
+            torch.testing.assert_close(final["model"][key], value, rtol=RTOL, atol=ATOL, msg=f"{name}: {key}")
+        for index, state in reference["optimizer"]["state"].items():
+            assert_buffers_close(final["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"])

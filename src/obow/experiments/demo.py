@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 import urllib.error
 from dataclasses import dataclass
@@ -141,12 +142,25 @@ def write_digits(
     return train_dir, val_dir
 
 
+def first_missing(path: Path) -> Path | None:
+    """The outermost folder of ``path`` (``path`` included) that does not exist yet, the one whose removal undoes
+    making ``path`` with its parents; ``None`` when ``path`` exists."""
+    missing = None
+    for folder in (path, *path.parents):
+        if folder.exists():
+            break
+        missing = folder
+    return missing
+
+
 def write_cifar10(root: Path, download_dir: Path, per_class: tuple[int, int] = CIFAR10_PER_CLASS) -> tuple[Path, Path]:
     """Download CIFAR-10 with torchvision into ``download_dir`` (skipped when it is already there) and write
     the first ``per_class`` images of each class of its training and test sets as
     ``root/{train,val}/<class>/<n>.png``. Returns both folders; already written folders are kept as they are.
 
-    Raises :class:`DemoDataUnavailable` when the archive cannot be fetched (no network) or is corrupted.
+    Raises :class:`DemoDataUnavailable` when the archive cannot be fetched (no network), after removing what the
+    attempt made (the folders it created, or the files it added to an existing ``download_dir``), or when the
+    archive is corrupted.
     """
     from torchvision.datasets import CIFAR10
 
@@ -154,9 +168,17 @@ def write_cifar10(root: Path, download_dir: Path, per_class: tuple[int, int] = C
     done = root / ".complete"
     if done.exists():
         return train_dir, val_dir
+    created = first_missing(download_dir)
+    before = set() if created is not None else set(download_dir.iterdir())
     try:
         sets = [CIFAR10(download_dir, train=train, download=True) for train in (True, False)]
     except (urllib.error.URLError, OSError) as e:
+        # Leave nothing of a failed download behind: the folders it made, or what it added to an existing one.
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        else:
+            for entry in set(download_dir.iterdir()) - before:
+                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
         reason = getattr(e, "reason", e)
         raise DemoDataUnavailable(
             f"cannot download CIFAR-10 from {CIFAR10.url} ({reason}): no network here? "

@@ -49,6 +49,9 @@ MOSAICS_PER_SCAN = 4
 #: CIFAR-10 images per class written for ``--dataset cifar10``: training (from CIFAR-10's training set) and
 #: validation (from its test set).
 CIFAR10_PER_CLASS = (500, 100)
+#: :func:`beats_constant_predictor`: the least spread of the student's predictions around their mean
+#: (``predicted_kl_to_mean``), as a share of the targets' (``kl_to_mean_bow``), that counts as image-specific.
+PREDICTION_SPREAD_SHARE = 0.1
 
 
 class DemoDataUnavailable(RuntimeError):
@@ -259,6 +262,7 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits") -> dict:
         "results": rows,
         "knn_per_epoch": curve,
         "pretext": pretext,
+        "beats_constant_predictor": beats_constant_predictor(pretext)[0],
         "pretrain_seconds": pretrain_time,
         "total_seconds": total,
         "dataset": dataset,
@@ -279,7 +283,9 @@ def knn_curve(log_path: Path) -> list[tuple[int, float]]:
 def pretext_summary(log_path: Path, levels: tuple[str, ...]) -> dict[str, float]:
     """How well the student does its own task: the BoW-prediction loss per view group and level (the mean of
     the logged ``loss/group*/<level>``) at the first logged step and over the last epoch, next to the loss of
-    a student that predicts the batch's average BoW for every image (``kl_to_mean_bow``)."""
+    a student that predicts the batch's average BoW for every image (``kl_to_mean_bow``), and how far its
+    predictions spread around their own mean over the last epoch (``predicted_kl_to_mean``: 0 when it predicts
+    one BoW for every image), each the mean over levels and logged steps."""
     records = [json.loads(line) for line in log_path.read_text().splitlines()]
     steps = [r for r in records if "type" not in r]
     last_epoch = [r for r in steps if r["epoch"] == steps[-1]["epoch"]]
@@ -290,11 +296,38 @@ def pretext_summary(log_path: Path, levels: tuple[str, ...]) -> dict[str, float]
     def average_bow(r: dict) -> float:
         return float(np.mean([r[f"{level}/kl_to_mean_bow"] for level in levels]))
 
+    def spread(r: dict) -> float:
+        return float(np.mean([r[f"{level}/predicted_kl_to_mean"] for level in levels]))
+
     return {
         "first_loss": group_loss(steps[0]),
         "last_epoch_loss": float(np.mean([group_loss(r) for r in last_epoch])),
         "last_epoch_average_bow_loss": float(np.mean([average_bow(r) for r in last_epoch])),
+        "last_epoch_predicted_kl_to_mean": float(
+            np.mean([spread(r) for r in last_epoch if f"{levels[0]}/predicted_kl_to_mean" in r])
+        ),
     }
+
+
+def beats_constant_predictor(pretext: dict[str, float]) -> tuple[bool, str]:
+    """Does the student do better at its pretext task than predicting one BoW, the batch's average, for every
+    image? Yes when, over the last epoch (:func:`pretext_summary`), its loss is below that constant predictor's
+    (``kl_to_mean_bow``) and its predictions differ between images: their ``predicted_kl_to_mean`` is at least
+    :data:`PREDICTION_SPREAD_SHARE` of the targets' ``kl_to_mean_bow`` (what predictions equal to their targets
+    would reach). Returns the verdict and a sentence that says it with the numbers."""
+    loss, constant = pretext["last_epoch_loss"], pretext["last_epoch_average_bow_loss"]
+    spread = pretext["last_epoch_predicted_kl_to_mean"]
+    lower, spreads = loss < constant, spread >= PREDICTION_SPREAD_SHARE * constant
+    numbers = (
+        f"loss {loss:.3f} against {constant:.3f} for the batch's average BoW, predictions spread "
+        f"{spread:.3f} around their mean (predicted_kl_to_mean; the targets spread {constant:.3f})"
+    )
+    if lower and spreads:
+        return True, f"The student beats the constant predictor over the last epoch: {numbers}."
+    why = "its loss is not below the constant predictor's" if not lower else "its predictions barely differ"
+    if not lower and not spreads:
+        why += " and its predictions barely differ"
+    return False, f"The student does NOT beat the constant predictor over the last epoch ({why}): {numbers}."
 
 
 def print_table(
@@ -332,6 +365,7 @@ def print_table(
         f"first logged step, {pretext['last_epoch_loss']:.2f} over the last epoch; predicting the batch's average "
         f"BoW would score {pretext['last_epoch_average_bow_loss']:.2f}."
     )
+    print(beats_constant_predictor(pretext)[1])
     print(
         f"kNN accuracy, pretrained minus random init: {gain:+.2f} points; pretraining {pretrain_time / 60:.1f} "
         f"min, demo total {total / 60:.1f} min."

@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 
 from obow.config import load_config
-from obow.experiments.demo import run_demo, write_digits
+from obow.experiments.demo import beats_constant_predictor, run_demo, write_digits
 from obow.methods.obow import OBoW
 from obow.weights.load import load_backbone
 
@@ -93,5 +93,11 @@ def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
     assert rows["OBoW pretrained"]["knn_k20"] != rows["random init"]["knn_k20"]
     saved = json.loads((tmp_path / "demo_results.json").read_text())
     assert saved["results"] == rows and saved["pretext"]["first_loss"] > 0
+    # the verdict on the pretext task, from the run's own log (its logic: tests/test_demo_verdict.py)
+    pretext = report["pretext"]
+    assert 0 <= pretext["last_epoch_predicted_kl_to_mean"] and 0 < pretext["last_epoch_average_bow_loss"]
+    verdict, sentence = beats_constant_predictor(pretext)
+    assert saved["beats_constant_predictor"] is verdict
     out = capsys.readouterr().out
     assert "random init" in out and "OBoW pretrained" in out and "pretext task" in out
+    assert sentence in out

@@ -8,9 +8,12 @@ import pickle
 import socket
 import tarfile
 import threading
+import urllib.error
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torchvision.datasets.cifar as cifar_module
 from PIL import Image
 from sklearn.datasets import load_digits
 from torchvision.datasets import CIFAR10
@@ -177,5 +180,37 @@ def test_without_a_network_the_cifar10_demo_says_so_in_one_line(tmp_path, monkey
     with pytest.raises(DemoDataUnavailable, match=f"cannot download CIFAR-10 from {url}"):
         write_cifar10(tmp_path / "a", tmp_path / "download")
     assert main(["demo", "--dataset", "cifar10", "--out", str(tmp_path / "b")]) == 2
+    assert list(tmp_path.iterdir()) == []  # no empty download folder left behind
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cannot download CIFAR-10" in err and "without --dataset" in err
+
+
+def failing_download(partial: bytes):
+    """A stand-in for torchvision's downloader that makes its folder, writes ``partial`` bytes of the archive
+    (as a download cut off midway does) and fails as a refused connection does."""
+
+    def download(url, root, filename=None, md5=None, **kwargs):
+        Path(root).mkdir(parents=True, exist_ok=True)
+        (Path(root) / filename).write_bytes(partial)
+        raise urllib.error.URLError(ConnectionRefusedError(111, "Connection refused"))
+
+    return download
+
+
+def test_a_failed_download_leaves_none_of_the_folders_it_made(tmp_path, monkeypatch):
+    monkeypatch.setattr(cifar_module, "download_and_extract_archive", failing_download(b"\x1f\x8b half"))
+    out = tmp_path / "demo-cifar10"  # the demo's --out, not there yet
+    with pytest.raises(DemoDataUnavailable, match="Connection refused"):
+        write_cifar10(out / "data" / "cifar10", out / "data" / "download")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_download_into_an_existing_folder_removes_only_what_it_added(tmp_path, monkeypatch):
+    monkeypatch.setattr(cifar_module, "download_and_extract_archive", failing_download(b"\x1f\x8b half"))
+    download = tmp_path / "download"
+    download.mkdir()
+    (download / "notes.txt").write_text("the user's")
+    with pytest.raises(DemoDataUnavailable):
+        write_cifar10(tmp_path / "data", download)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["download"]
+    assert [p.name for p in download.iterdir()] == ["notes.txt"]

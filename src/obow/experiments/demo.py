@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 import urllib.error
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ MOSAICS_PER_SCAN = 4
 #: CIFAR-10 images per class written for ``--dataset cifar10``: training (from CIFAR-10's training set) and
 #: validation (from its test set).
 CIFAR10_PER_CLASS = (500, 100)
+#: :func:`beats_constant_predictor`: the least spread of the student's predictions around their mean
+#: (``predicted_kl_to_mean``), as a share of the targets' (``kl_to_mean_bow``), that counts as image-specific.
+PREDICTION_SPREAD_SHARE = 0.1
 
 
 class DemoDataUnavailable(RuntimeError):
@@ -141,12 +145,25 @@ def write_digits(
     return train_dir, val_dir
 
 
+def first_missing(path: Path) -> Path | None:
+    """The outermost folder of ``path`` (``path`` included) that does not exist yet, the one whose removal undoes
+    making ``path`` with its parents; ``None`` when ``path`` exists."""
+    missing = None
+    for folder in (path, *path.parents):
+        if folder.exists():
+            break
+        missing = folder
+    return missing
+
+
 def write_cifar10(root: Path, download_dir: Path, per_class: tuple[int, int] = CIFAR10_PER_CLASS) -> tuple[Path, Path]:
     """Download CIFAR-10 with torchvision into ``download_dir`` (skipped when it is already there) and write
     the first ``per_class`` images of each class of its training and test sets as
     ``root/{train,val}/<class>/<n>.png``. Returns both folders; already written folders are kept as they are.
 
-    Raises :class:`DemoDataUnavailable` when the archive cannot be fetched (no network) or is corrupted.
+    Raises :class:`DemoDataUnavailable` when the archive cannot be fetched (no network), after removing what the
+    attempt made (the folders it created, or the files it added to an existing ``download_dir``), or when the
+    archive is corrupted.
     """
     from torchvision.datasets import CIFAR10
 
@@ -154,9 +171,17 @@ def write_cifar10(root: Path, download_dir: Path, per_class: tuple[int, int] = C
     done = root / ".complete"
     if done.exists():
         return train_dir, val_dir
+    created = first_missing(download_dir)
+    before = set() if created is not None else set(download_dir.iterdir())
     try:
         sets = [CIFAR10(download_dir, train=train, download=True) for train in (True, False)]
     except (urllib.error.URLError, OSError) as e:
+        # Leave nothing of a failed download behind: the folders it made, or what it added to an existing one.
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        else:
+            for entry in set(download_dir.iterdir()) - before:
+                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
         reason = getattr(e, "reason", e)
         raise DemoDataUnavailable(
             f"cannot download CIFAR-10 from {CIFAR10.url} ({reason}): no network here? "
@@ -237,6 +262,7 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits") -> dict:
         "results": rows,
         "knn_per_epoch": curve,
         "pretext": pretext,
+        "beats_constant_predictor": beats_constant_predictor(pretext)[0],
         "pretrain_seconds": pretrain_time,
         "total_seconds": total,
         "dataset": dataset,
@@ -257,7 +283,9 @@ def knn_curve(log_path: Path) -> list[tuple[int, float]]:
 def pretext_summary(log_path: Path, levels: tuple[str, ...]) -> dict[str, float]:
     """How well the student does its own task: the BoW-prediction loss per view group and level (the mean of
     the logged ``loss/group*/<level>``) at the first logged step and over the last epoch, next to the loss of
-    a student that predicts the batch's average BoW for every image (``kl_to_mean_bow``)."""
+    a student that predicts the batch's average BoW for every image (``kl_to_mean_bow``), and how far its
+    predictions spread around their own mean over the last epoch (``predicted_kl_to_mean``: 0 when it predicts
+    one BoW for every image), each the mean over levels and logged steps."""
     records = [json.loads(line) for line in log_path.read_text().splitlines()]
     steps = [r for r in records if "type" not in r]
     last_epoch = [r for r in steps if r["epoch"] == steps[-1]["epoch"]]
@@ -268,11 +296,38 @@ def pretext_summary(log_path: Path, levels: tuple[str, ...]) -> dict[str, float]
     def average_bow(r: dict) -> float:
         return float(np.mean([r[f"{level}/kl_to_mean_bow"] for level in levels]))
 
+    def spread(r: dict) -> float:
+        return float(np.mean([r[f"{level}/predicted_kl_to_mean"] for level in levels]))
+
     return {
         "first_loss": group_loss(steps[0]),
         "last_epoch_loss": float(np.mean([group_loss(r) for r in last_epoch])),
         "last_epoch_average_bow_loss": float(np.mean([average_bow(r) for r in last_epoch])),
+        "last_epoch_predicted_kl_to_mean": float(
+            np.mean([spread(r) for r in last_epoch if f"{levels[0]}/predicted_kl_to_mean" in r])
+        ),
     }
+
+
+def beats_constant_predictor(pretext: dict[str, float]) -> tuple[bool, str]:
+    """Does the student do better at its pretext task than predicting one BoW, the batch's average, for every
+    image? Yes when, over the last epoch (:func:`pretext_summary`), its loss is below that constant predictor's
+    (``kl_to_mean_bow``) and its predictions differ between images: their ``predicted_kl_to_mean`` is at least
+    :data:`PREDICTION_SPREAD_SHARE` of the targets' ``kl_to_mean_bow`` (what predictions equal to their targets
+    would reach). Returns the verdict and a sentence that says it with the numbers."""
+    loss, constant = pretext["last_epoch_loss"], pretext["last_epoch_average_bow_loss"]
+    spread = pretext["last_epoch_predicted_kl_to_mean"]
+    lower, spreads = loss < constant, spread >= PREDICTION_SPREAD_SHARE * constant
+    numbers = (
+        f"loss {loss:.3f} against {constant:.3f} for the batch's average BoW, predictions spread "
+        f"{spread:.3f} around their mean (predicted_kl_to_mean; the targets spread {constant:.3f})"
+    )
+    if lower and spreads:
+        return True, f"The student beats the constant predictor over the last epoch: {numbers}."
+    why = "its loss is not below the constant predictor's" if not lower else "its predictions barely differ"
+    if not lower and not spreads:
+        why += " and its predictions barely differ"
+    return False, f"The student does NOT beat the constant predictor over the last epoch ({why}): {numbers}."
 
 
 def print_table(
@@ -310,6 +365,7 @@ def print_table(
         f"first logged step, {pretext['last_epoch_loss']:.2f} over the last epoch; predicting the batch's average "
         f"BoW would score {pretext['last_epoch_average_bow_loss']:.2f}."
     )
+    print(beats_constant_predictor(pretext)[1])
     print(
         f"kNN accuracy, pretrained minus random init: {gain:+.2f} points; pretraining {pretrain_time / 60:.1f} "
         f"min, demo total {total / 60:.1f} min."

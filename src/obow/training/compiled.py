@@ -25,7 +25,12 @@ numbers are PyTorch's own (``fallback_random``), so that a compiled run draws wh
 optimiser runs as ``foreach`` rather than ``fused`` (Dynamo does not trace the fused kernel), with the same
 momentum buffers, so a checkpoint moves between an eager run and a compiled one.
 
-Not yet: MoCo v2 (its key momentum must become a tensor first), BoWNet and RotNet, several processes
+MoCo v2 compiles too: its key momentum is the same 0-d tensor, its queue is written through a pointer that stays
+on the device (``index_copy_`` of rows ``(ptr + arange(n)) % size``), and the key batch's permutation (shuffled
+batch norm) is drawn inside the graph from PyTorch's generator (``fallback_random`` under Inductor), so a
+compiled run draws the numbers an eager one does.
+
+Not yet: BoWNet and RotNet, several processes
 (DistributedDataParallel), fp16 (the gradient scaler's skip reads the device), and cut-mixed views (the box
 is drawn on the host each step and would be a new graph each time); each is refused with one line.
 """
@@ -54,8 +59,6 @@ ForwardBackward = Callable[[Tensor, list[Tensor]], dict[str, Tensor]]
 def check_step_compilable(cfg: Config) -> str | None:
     """Why ``cfg`` cannot train with ``train.compile: step`` (one line), or ``None`` when it can."""
     method = cfg.model.method
-    if method == "mocov2":
-        return "train.compile=step does not support model.method=mocov2 yet; use train.compile=networks or off"
     if method in ("bownet", "rotnet"):
         return (
             f"train.compile=step does not support model.method={method}: its step reads host values each step "

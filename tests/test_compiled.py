@@ -54,7 +54,6 @@ def test_compile_setting_refuses_other_values():
     ("sections", "says"),
     [
         ({"model": {"method": "rotnet"}}, "model.method=rotnet"),
-        ({"model": {"cutmix": True}}, "model.cutmix"),
         ({"train": {"precision": "fp16"}}, "fp16"),
     ],
 )
@@ -64,8 +63,8 @@ def test_step_refuses_what_it_cannot_do_yet(sections, says):
     assert check_step_compilable(tiny_config()) is None
 
 
-@pytest.mark.parametrize("model", [{"method": "mocov2"}])
-def test_step_takes_mocov2(model):
+@pytest.mark.parametrize("model", [{"method": "mocov2"}, {"cutmix": True}])
+def test_step_takes_mocov2_and_cutmix(model):
     assert check_step_compilable(tiny_config(model=model)) is None
 
 
@@ -243,8 +242,10 @@ def assert_buffers_close(got: torch.Tensor, expected: torch.Tensor) -> None:
         {"model": {"vocabulary": "kmeans", "rare_word_steps": 3, "levels": ["conv4", "conv5"], "border": 0}},
         # shuffled batch norm (a permutation drawn every step) and a queue of 4 batches (its pointer goes round)
         {"model": {"method": "mocov2"}, "moco": {"queue_size": 32, "bn_splits": 2}},
+        # a box and a permutation per group and step, drawn on the host: 20 boxes, one graph
+        {"model": {"cutmix": True}},
     ],
-    ids=["queue", "kmeans_multiscale", "mocov2"],
+    ids=["queue", "kmeans_multiscale", "mocov2", "cutmix"],
 )
 @pytest.mark.parametrize("per_group", [False, True], ids=["whole", "per_group"])
 @torch._dynamo.config.patch(error_on_recompile=True)

@@ -30,9 +30,13 @@ on the device (``index_copy_`` of rows ``(ptr + arange(n)) % size``), and the ke
 batch norm) is drawn inside the graph from PyTorch's generator (``fallback_random`` under Inductor), so a
 compiled run draws the numbers an eager one does.
 
-Not yet: BoWNet and RotNet, several processes
-(DistributedDataParallel), fp16 (the gradient scaler's skip reads the device), and cut-mixed views (the box
-is drawn on the host each step and would be a new graph each time); each is refused with one line.
+Cut-mixed views (``model.cutmix``) compile too: the step draws its boxes and permutations on the host before the
+graph, from the generator and in the order of the eager step (:meth:`obow.methods.obow.OBoW.draw_cutmix`),
+writes them into tensors the graph reads (``model.cutmix_input``), and the graph pastes through a mask
+(:func:`obow.data.cutmix.cutmix_masked`): no box is a Python value in the graph.
+
+Not yet: BoWNet and RotNet, several processes (DistributedDataParallel) and fp16 (the gradient scaler's skip
+reads the device); each is refused with one line.
 """
 
 from __future__ import annotations
@@ -63,11 +67,6 @@ def check_step_compilable(cfg: Config) -> str | None:
         return (
             f"train.compile=step does not support model.method={method}: its step reads host values each step "
             "(not yet made tensors); use train.compile=networks or off"
-        )
-    if cfg.model.cutmix:
-        return (
-            "train.compile=step does not support model.cutmix yet (its box is drawn on the host and would be a new "
-            "graph every step); use train.compile=networks or off"
         )
     if cfg.train.precision == "fp16":
         return (
@@ -146,12 +145,26 @@ class CompiledStep:
         """One step at learning rate ``lr``; returns its detached metrics (device tensors)."""
         self.lr.fill_(lr)
         self.momentum.fill_(self.model.current_momentum())  # from host_iteration: no read of the device
+        if getattr(self.model, "cutmix", False):
+            self._write_cutmix(student_views)
         self.optimizer.zero_grad(set_to_none=True)
         forward_backward = self._logged if self.model.diagnose else self._unlogged
         with torch._dynamo.config.patch(trace_autograd_ops=True):
             metrics = forward_backward(teacher_images, student_views)
         self._step()
         return metrics
+
+    def _write_cutmix(self, student_views: list[Tensor]) -> None:
+        """This step's cutmix boxes and permutations, drawn on the host as the eager step draws them (the same
+        generator, the same order), into the tensors the graph reads (``model.cutmix_input``, written in place)."""
+        draws = self.model.draw_cutmix(student_views)
+        held = self.model.cutmix_input
+        if held is None or any(
+            a.shape != b.shape for a, b in zip((held.boxes, held.perms), (draws.boxes, draws.perms), strict=True)
+        ):
+            self.model.cutmix_input = draws.to(self.lr.device)
+        else:
+            held.copy_(draws, non_blocking=True)
 
     # Two functions with the same body: Dynamo keeps compiled code per Python function, so the logged variant
     # (diagnose=True) is a second graph compiled once, not a recompilation of the first on every logged step.

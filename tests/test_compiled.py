@@ -355,3 +355,63 @@ def test_a_compiled_run_never_recompiles_and_its_checkpoints_move_to_and_from_ea
             torch.testing.assert_close(final["model"][key], value, rtol=RTOL, atol=ATOL, msg=f"{name}: {key}")
         for index, state in reference["optimizer"]["state"].items():
             assert_buffers_close(final["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"])
+
+
+#: Inductor against eager: its generated kernels fuse and reorder the sums (batch norm, the losses, SGD), so one
+#: step agrees to float32 rounding accumulated over a few operators, not bit for bit.
+INDUCTOR_RTOL, INDUCTOR_ATOL = 1e-4, 1e-6
+
+
+@pytest.mark.slow
+def test_inductor_compiled_step_equals_the_eager_step_to_rounding():
+    """The backend a run uses (Inductor, with ``fallback_random``; its C++ compilation takes minutes on a CPU):
+    3 unlogged steps of OBoW with a queue vocabulary, each from the same state and random numbers as an eager step,
+    draw the same random numbers and give the same metrics, gradients, weights, teacher, queue and batch-norm
+    buffers to float32 rounding (INDUCTOR_RTOL of each tensor's norm)."""
+    torch._dynamo.reset()
+    cfg = tiny_config()
+    eager, compiled = (build_model(cfg, 3, torch.device("cpu")).train() for _ in range(2))
+    eager_opt, compiled_opt = build_optimizer(eager, cfg), build_optimizer(compiled, cfg)
+
+    def compiled_forward_backward(teacher, views):
+        return forward_backward(compiled, teacher, views, None, contextlib.nullcontext(), False)
+
+    step = CompiledStep(compiled, compiled_opt, compiled_forward_backward, backend="inductor")
+
+    def close(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+        if not torch.is_floating_point(expected):
+            assert torch.equal(got, expected), what
+            return
+        error = float((got.double() - expected.double()).norm())
+        bound = INDUCTOR_RTOL * float(expected.double().norm()) + INDUCTOR_ATOL
+        assert error <= bound, f"{what}: {error:.3g} > {bound:.3g}"
+
+    for i in range(3):
+        eager.load_state_dict(compiled.state_dict())
+        eager_opt.load_state_dict(copy.deepcopy(compiled_opt.state_dict()))
+        configure_optimizer(eager_opt, step=False)
+        teacher, views = random_batch(i)
+        lr = 0.05 / (i + 1)
+        for model in (eager, compiled):
+            model.diagnose, model.host_iteration = False, i
+        state = torch.get_rng_state()
+        for group in eager_opt.param_groups:
+            group["lr"] = lr
+        eager_opt.zero_grad(set_to_none=True)
+        expected = forward_backward(eager, teacher, views, None, contextlib.nullcontext(), False)
+        gradients = [p.grad for p in eager.parameters()]
+        eager_opt.step()
+        drawn = torch.get_rng_state()
+        torch.set_rng_state(state)
+        got = step(teacher, views, lr)
+        assert torch.equal(torch.get_rng_state(), drawn)  # fallback_random: PyTorch's own generator, as many numbers
+        assert got.keys() == expected.keys()
+        for key in expected:
+            close(got[key], expected[key], f"step {i}, {key}")
+        for (name, p), gradient in zip(compiled.named_parameters(), gradients, strict=True):
+            assert (p.grad is None) == (gradient is None), name
+            if gradient is not None:
+                close(p.grad, gradient, f"step {i}, gradient of {name}")
+        a, b = eager.state_dict(), compiled.state_dict()
+        for key in a:
+            close(b[key], a[key], f"step {i}, {key}")

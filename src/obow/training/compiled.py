@@ -35,6 +35,11 @@ graph, from the generator and in the order of the eager step (:meth:`obow.method
 writes them into tensors the graph reads (``model.cutmix_input``), and the graph pastes through a mask
 (:func:`obow.data.cutmix.cutmix_masked`): no box is a Python value in the graph.
 
+Replayed as CUDA graphs (Inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets; :data:`OPTIONS`,
+``benchmarks/throughput.py --compile-mode reduce-overhead``), each step marks a new CUDA-graph step before its
+graphs run and returns copies of its metrics (a replay overwrites its outputs). Not measured on a GPU yet
+(``benchmarks/gpu_compile.sh``).
+
 Not yet: BoWNet and RotNet, several processes (DistributedDataParallel) and fp16 (the gradient scaler's skip
 reads the device); each is refused with one line.
 """
@@ -55,6 +60,10 @@ __all__ = ["CompiledStep", "check_step_compilable", "compiled_step", "configure_
 
 #: The Dynamo backend of a run's compiled step (the tests put aot_eager here: Inductor's C++ takes minutes on a CPU).
 BACKEND: Any = "inductor"
+
+#: Inductor options of a run's compiled step, e.g. ``{"triton.cudagraphs": True}`` (what ``mode="reduce-overhead"``
+#: sets: the step replayed as CUDA graphs; benchmarks/throughput.py --compile-mode reduce-overhead).
+OPTIONS: dict[str, Any] | None = None
 
 #: ``forward_backward(teacher_images, student_views) -> metrics``: the loop's forward and backward pass of a step.
 ForwardBackward = Callable[[Tensor, list[Tensor]], dict[str, Tensor]]
@@ -90,7 +99,7 @@ def compiled_step(
     if cfg.train.compile != "step":
         configure_optimizer(optimizer, step=False)
         return None
-    return CompiledStep(model, optimizer, forward_backward, backend=BACKEND)
+    return CompiledStep(model, optimizer, forward_backward, backend=BACKEND, options=OPTIONS)
 
 
 def configure_optimizer(optimizer: torch.optim.Optimizer, step: bool) -> Tensor | None:
@@ -134,6 +143,8 @@ class CompiledStep:
         self.momentum = torch.zeros((), dtype=torch.float64, device=device)
         model.momentum_input = self.momentum
         start_momentum_buffers(optimizer)
+        #: replayed as CUDA graphs: a graph's outputs live in memory its next replay overwrites
+        self.cudagraphs = bool(options and options.get("triton.cudagraphs"))
         if backend == "inductor":
             options = {"fallback_random": True, **(options or {})}
         compile_ = dict(backend=backend, options=options) if options else dict(backend=backend)
@@ -148,10 +159,14 @@ class CompiledStep:
         if getattr(self.model, "cutmix", False):
             self._write_cutmix(student_views)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the previous one's outputs are done with
         forward_backward = self._logged if self.model.diagnose else self._unlogged
         with torch._dynamo.config.patch(trace_autograd_ops=True):
             metrics = forward_backward(teacher_images, student_views)
         self._step()
+        if self.cudagraphs:  # the caller may hold them past the next step (the progress bar, a logged step's floats)
+            metrics = {key: value.clone() for key, value in metrics.items()}
         return metrics
 
     def _write_cutmix(self, student_views: list[Tensor]) -> None:

@@ -13,7 +13,10 @@ pipelines in a rotated order each round):
 * **step alone**: ``train_step`` again and again on one batch already on the device.
 
 The step computes the collapse diagnostics on every ``train.log_every``-th step, as ``obow pretrain`` does
-(``--diagnose every logged`` times both settings in the same rounds). Before each timing of a worker loader, the
+(``--diagnose every logged`` times both settings in the same rounds). ``--compile off networks step`` times each
+``train.compile`` setting in the same alternating rounds (``--compile-mode reduce-overhead``: the compiled step
+replayed as CUDA graphs); the warm-up, which compiles (its first step a logged one, so that the logged variant is
+compiled before the timing), is timed apart and reported as ``warmup_s``. Before each timing of a worker loader, the
 batches its workers had prefetched meanwhile are taken untimed, so that a buffer filled during another
 measurement is not counted. Images per second count source images (each
 makes the recipe's teacher view, crops and patches). Prints a Markdown table; ``--json`` writes the numbers.
@@ -21,6 +24,8 @@ makes the recipe's teacher view, crops and patches). Prints a Markdown table; ``
     python benchmarks/throughput.py --config cifar10_resnet18 --data /tmp/c10/train --device cuda --workers 12
     python benchmarks/throughput.py --config cifar10_fast --data /tmp/c10/train data.batch_size=512 \\
         train.precision=bf16 train.channels_last=true
+    python benchmarks/throughput.py --config cifar10_resnet18 --data /tmp/c10/train --pipelines device \\
+        --compile off networks step --warmup 10 --steps 30 --rounds 3
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ import torch
 
 from obow.config import Config, load_config
 from obow.data.folders import scan_images
+from obow.training import compiled as compiled_module
 from obow.training.build import build_data, build_model, build_optimizer, prepare_step_model
-from obow.training.loop import Run, train_step
+from obow.training.compiled import check_step_compilable, compiled_step
+from obow.training.loop import Run, step_forward_backward, train_step
 from obow.training.settle import resolve_pipeline
 
 
@@ -80,16 +87,22 @@ def build(name: str, cfg: Config, device: torch.device, min_images: int, diagnos
     model = build_model(cfg, total_iterations=100_000, device=device).train()
     optimizer = build_optimizer(model, cfg)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
+    if cfg.train.compile == "step" and (why := check_step_compilable(cfg)):
+        raise SystemExit(f"throughput.py: {why}")
+    compiled = compiled_step(cfg, model, optimizer, step_forward_backward(cfg, model))
     run = Run(cfg, Path("."), device, model, prepare_step_model(model, cfg, device), optimizer, scaler, sampler,
-              loader, len(images) // cfg.data.batch_size, None, None)  # fmt: skip
+              loader, len(images) // cfg.data.batch_size, None, None, compiled)  # fmt: skip
     workers = cfg.data.num_workers if cfg.data.pipeline == "workers" else 0
     every = cfg.train.log_every if diagnose == "logged" else 1
     return Setup(name, cfg, run, endless(loader, sampler), prefetched=2 * workers, diagnose_every=every)
 
 
-def step(setup: Setup, batch: dict[str, Any]) -> None:
+def step(setup: Setup, batch: dict[str, Any], logged: bool | None = None) -> None:
+    """One training step; ``logged``: whether it computes the diagnostics (``None``: as the loop would)."""
     setup.steps += 1
-    setup.run.model.diagnose = setup.steps % setup.diagnose_every == 0  # as the loop: on its logged steps
+    if logged is None:
+        logged = setup.steps % setup.diagnose_every == 0  # as the loop: on its logged steps
+    setup.run.model.diagnose = logged
     setup.run.model.host_iteration = setup.steps - 1  # as the loop counts the iterations
     train_step(setup.run, batch["image"], setup.cfg.optim.lr)
 
@@ -150,6 +163,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="collapse diagnostics on the loop's logged steps (every train.log_every-th, as obow "
         "pretrain) or on every step (as before 2026-11-27); both: compared in the same rounds",
     )
+    parser.add_argument(
+        "--compile",
+        nargs="+",
+        default=None,
+        choices=["off", "networks", "step"],
+        help="train.compile settings timed in the same rounds (default: the recipe's own)",
+    )
+    parser.add_argument(
+        "--compile-mode",
+        default="default",
+        choices=["default", "reduce-overhead"],
+        help="the compiled step's mode (train.compile=step): reduce-overhead replays it as CUDA graphs",
+    )
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="the compiled step's Dynamo backend (aot_eager: a dry run of the plumbing without Inductor's compiler)",
+    )
+    parser.add_argument(
+        "--measures", nargs="+", default=list(MEASURES), choices=MEASURES, help="what is timed (default: all three)"
+    )
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
     return parser
 
@@ -159,24 +193,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
+    compiled_module.BACKEND = args.compile_backend
+    cudagraphs = args.compile_mode == "reduce-overhead" and device.type == "cuda" and args.compile_backend == "inductor"
+    if cudagraphs:
+        compiled_module.OPTIONS = {"triton.cudagraphs": True}  # what torch.compile's mode="reduce-overhead" sets
     setups = []
+    compiles = args.compile or [None]
     for pipeline in args.pipelines:
         for diagnose in args.diagnose:
-            name = pipeline if len(args.diagnose) == 1 else f"{pipeline}, diagnostics {diagnose}"
-            cfg = benchmark_config(
-                args.config, args.data, pipeline, args.workers, device, args.cache_dir, args.overrides
-            )
-            setups.append(build(name, cfg, device, args.min_images, diagnose))
+            for compile_ in compiles:
+                name = pipeline if len(args.diagnose) == 1 else f"{pipeline}, diagnostics {diagnose}"
+                if compile_ is not None and len(compiles) > 1:
+                    name = f"{name}, compile {compile_}"
+                overrides = [*args.overrides, *([f"train.compile={compile_}"] if compile_ else [])]
+                where = (args.config, args.data, pipeline, args.workers, device, args.cache_dir)
+                cfg = benchmark_config(*where, overrides)
+                setups.append(build(name, cfg, device, args.min_images, diagnose))
+    warmup_s = {}
     for setup in setups:
-        for _ in range(args.warmup):
-            step(setup, next(setup.batches))
+        synchronize(device)
+        start = time.perf_counter()
+        for i in range(args.warmup):
+            # the first warm-up step logged: a compiled step compiles its logged variant here, not in a timing
+            step(setup, next(setup.batches), logged=True if i == 0 and setup.diagnose_every > 1 else None)
         setup.fixed = next(setup.batches)
         step(setup, setup.fixed)
-    times: dict[str, dict[str, list[float]]] = {s.name: {m: [] for m in MEASURES} for s in setups}
+        synchronize(device)
+        warmup_s[setup.name] = time.perf_counter() - start
+    measures = [m for m in MEASURES if m in args.measures]
+    times: dict[str, dict[str, list[float]]] = {s.name: {m: [] for m in measures} for s in setups}
     for r in range(args.rounds):
         shift = r % len(setups)
         for setup in setups[shift:] + setups[:shift]:
-            for what in MEASURES:
+            for what in measures:
                 times[setup.name][what].append(timed(setup, what, args.steps, device))
     cfg = setups[0].cfg
     batch = cfg.data.batch_size
@@ -185,13 +234,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     label = args.label or f"batch {batch}, {cfg.train.precision}{', channels_last' if cfg.train.channels_last else ''}"
-    print(f"\n{args.config} ({label}) on {where}; {args.steps} batches x {args.rounds} alternating rounds")
-    print("| pipeline | end to end img/s | loader alone img/s | step alone img/s |")
-    print("|---|---|---|---|")
+    mode = f", step {args.compile_backend}{' + CUDA graphs' if cudagraphs else ''}" if args.compile else ""
+    print(f"\n{args.config} ({label}{mode}) on {where}; {args.steps} batches x {args.rounds} alternating rounds")
+    print("| pipeline | end to end img/s | loader alone img/s | step alone img/s | warm-up s (compilation) |")
+    print("|---|---|---|---|---|")
     for name, r in rates.items():
         workers = f" ({args.workers} workers)" if name.startswith("workers") else ""
-        print(f"| {name}{workers} | {r['end_to_end']:,.0f} | {r['loader']:,.0f} | {r['step']:,.0f} |")
-    if len(rates) == 2 and "workers" in rates and "device" in rates:
+        cells = " | ".join(f"{r[m]:,.0f}" if m in r else "-" for m in MEASURES)
+        print(f"| {name}{workers} | {cells} | {warmup_s[name]:.1f} ({args.warmup + 1} steps) |")
+    if len(rates) == 2 and "workers" in rates and "device" in rates and "end_to_end" in measures:
         print(f"device / workers end to end: {rates['device']['end_to_end'] / rates['workers']['end_to_end']:.2f}")
     result = {
         "config": args.config,
@@ -202,6 +253,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "channels_last": cfg.train.channels_last,
         "workers": args.workers,
         "diagnose": args.diagnose,
+        "compile": args.compile,
+        "compile_mode": args.compile_mode,
+        "compile_backend": args.compile_backend,
+        "cudagraphs": cudagraphs,
+        "warmup_steps": args.warmup + 1,
+        "warmup_s": warmup_s,
         "steps": args.steps,
         "rounds": args.rounds,
         "overrides": args.overrides,

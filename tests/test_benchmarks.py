@@ -192,6 +192,63 @@ def test_throughput_times_both_pipelines_and_both_diagnostics_rhythms(throughput
     assert len(json.loads((tmp_path / "t.json").read_text())) == 2  # --json appends
 
 
+@pytest.mark.slow
+def test_throughput_times_the_compile_settings_in_the_same_rounds(
+    throughput, tmp_path, tiny_recipe, write_images, monkeypatch
+):
+    """``--compile off step``: both settings timed in each round, the warm-up (the compilation) apart; the step
+    traced by Dynamo and run by aot_eager (Inductor's C++ takes minutes on a CPU), no CUDA graphs on a CPU."""
+    from obow.training import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", compiled.BACKEND)  # restored after: main sets them
+    monkeypatch.setattr(compiled, "OPTIONS", compiled.OPTIONS)
+    data = write_images(tmp_path / "data", per_class=8, size=20)
+    result = throughput.main(
+        ["--config", str(tiny_recipe), "--data", str(data), "--device", "cpu", "--steps", "1", "--rounds", "2",
+         "--warmup", "1", "--min-images", "16", "--pipelines", "device", "--cache-dir", str(tmp_path / "cache"),
+         "--compile", "off", "step", "--compile-backend", "aot_eager", "--compile-mode", "reduce-overhead",
+         "--measures", "end_to_end", "step"]
+    )  # fmt: skip
+    names = {"device, compile off", "device, compile step"}
+    assert set(result["images_per_s"]) == names == set(result["warmup_s"])
+    assert all(set(t) == {"end_to_end", "step"} for t in result["seconds"].values())
+    assert all(len(t) == 2 for times in result["seconds"].values() for t in times.values())
+    assert result["compile"] == ["off", "step"] and result["cudagraphs"] is False and result["warmup_steps"] == 2
+    assert all(r > 0 for rates in result["images_per_s"].values() for r in rates.values())
+
+
+@pytest.mark.slow
+def test_gpu_compile_checks_run_on_the_cpu(throughput, tmp_path, tiny_recipe, write_images, monkeypatch):
+    """benchmarks/gpu_compile.py's plumbing: a compiled step warmed up (the first step logged) and counted; on a CPU
+    no CUDA graph and no synchronisation check."""
+    from obow.training import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", compiled.BACKEND)
+    gpu_compile = load_script("gpu_compile")
+    data = write_images(tmp_path / "data", per_class=8, size=20)
+    result = gpu_compile.main(
+        ["--config", str(tiny_recipe), "--data", str(data), "--device", "cpu", "--warmup", "2", "--min-images", "16",
+         "--cache-dir", str(tmp_path / "cache"), "--compile-backend", "aot_eager", "--json", str(tmp_path / "c.json")]
+    )  # fmt: skip
+    assert result["cudagraph_skips"] == 0 and result["sync_error"] is None and result["unique_graphs"] >= 2
+    assert result["cudagraphs"] is False and result["sync_checked_steps"] == 0
+    assert json.loads((tmp_path / "c.json").read_text()) == result
+
+
+def test_gpu_compile_pass_skips_what_it_is_told_and_keeps_its_deadline(tmp_path):
+    parts = re.findall(r"^part (\w+)", (BENCHMARKS / "gpu_compile.sh").read_text(), flags=re.M)
+    assert {"checks", "checks_moco", "c10r18", "c10fast", "in20", "r50"} <= set(parts)
+    env = dict(os.environ, OUT=str(tmp_path / "out"), C10=str(tmp_path), INETTE=str(tmp_path), DEVICE="cpu")
+    env.update(DEADLINE="60", SKIP=" ".join(parts))
+    subprocess.run(["bash", str(BENCHMARKS / "gpu_compile.sh")], env=env, check=True, capture_output=True)
+    lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    assert lines[:-1] == [f"{name} skipped (SKIP)" for name in parts] and re.fullmatch(r"total \d+s", lines[-1])
+    env.update(DEADLINE="0", SKIP="", OUT=str(tmp_path / "late"))
+    subprocess.run(["bash", str(BENCHMARKS / "gpu_compile.sh")], env=env, check=True, capture_output=True)
+    lines = (tmp_path / "late" / "summary.txt").read_text().splitlines()
+    assert lines[:-1] == [f"{name} skipped (deadline)" for name in parts]
+
+
 def test_the_benchmark_step_diagnoses_as_the_loop_does(throughput, tmp_path, tiny_recipe, write_images):
     """``--diagnose logged`` computes the collapse diagnostics every ``train.log_every``-th step, as ``obow
     pretrain``; ``every`` on each step."""

@@ -8,7 +8,16 @@ import torch
 
 from obow.bow.loss import bow_loss
 from obow.config import ModelConfig
-from obow.data.cutmix import Box, clip_box, cutmix, draw_box, draw_permutation, mix_targets
+from obow.data.cutmix import (
+    Box,
+    clip_box,
+    cutmix,
+    cutmix_masked,
+    draw_box,
+    draw_cutmix,
+    draw_permutation,
+    mix_targets,
+)
 from obow.methods.obow import OBoW
 
 from reference import kl_loss as ref_kl_loss
@@ -45,6 +54,42 @@ def test_view_groups_take_every_view_from_the_same_image():
             outside = views[i, j].clone()
             outside[:, 2:6, 2:6] = mixed[i, j, :, 2:6, 2:6]
             assert torch.equal(mixed[i, j], outside)
+
+
+@pytest.mark.parametrize(
+    ("box", "inside"),
+    [((2, 8, 2, 10), (slice(2, 8), slice(2, 10))), ((0, 16, 5, 6), (slice(0, 16), slice(5, 6))), ((3, 3, 0, 16), None)],
+    ids=["inner", "full_height_one_column", "empty"],
+)
+def test_masked_paste_is_the_sliced_one(box, inside):
+    """The compiled step's paste (box as a tensor, through a mask) against a hand-built one: the box's pixels of
+    the permuted image, the rest untouched, and the weight given."""
+    views = torch.randn(4, 2, 3, 16, 16)
+    perm = torch.tensor([3, 2, 0, 1])
+    weight = torch.tensor(0.8125, dtype=torch.float64)
+    mixed, weights = cutmix_masked(views, torch.tensor(box), weight, perm)
+    expected = views.clone()
+    if inside is not None:
+        expected[..., inside[0], inside[1]] = views[perm][..., inside[0], inside[1]]
+    assert torch.equal(mixed, expected)
+    assert weights.shape == (4, 2) and weights.dtype == torch.float32 and torch.all(weights == 0.8125)
+    top, bottom, left, right = box
+    sliced, _ = cutmix(views, Box(top, bottom, left, right, 16, 16), perm)
+    assert torch.equal(mixed, sliced)
+
+
+def test_draw_cutmix_draws_what_the_group_by_group_draws_did():
+    """One box then one permutation per group, in group order, from the generator given: the numbers draw_box and
+    draw_permutation draw one group after another; the weights are the boxes' (float64, as the host computes)."""
+    shapes = [(6, 16, 16), (6, 8, 12)]
+    draws = draw_cutmix(shapes, torch.Generator().manual_seed(11))
+    replay = torch.Generator().manual_seed(11)
+    for g, (batch, h, w) in enumerate(shapes):
+        box = draw_box(h, w, replay)
+        perm = draw_permutation(batch, replay)
+        assert draws.boxes[g].tolist() == [box.top, box.bottom, box.left, box.right]
+        assert float(draws.weights[g]) == box.weight and draws.weights.dtype == torch.float64
+        assert torch.equal(draws.perms[g], perm)
 
 
 def test_box_is_clipped_and_its_weight_is_the_clipped_area():

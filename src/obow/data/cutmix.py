@@ -15,6 +15,7 @@ whose state every checkpoint holds.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,53 @@ def cutmix(images: Tensor, box: Box, perm: Tensor) -> tuple[Tensor, Tensor]:
     rows, cols = slice(box.top, box.bottom), slice(box.left, box.right)
     mixed[..., rows, cols] = images[perm][..., rows, cols]
     weights = torch.full(images.shape[:-3], box.weight, dtype=images.dtype, device=images.device)
+    return mixed, weights
+
+
+def draw_cutmix(shapes: Sequence[tuple[int, int, int]], generator: torch.Generator | None = None) -> CutmixDraws:
+    """The draws of one step's view groups, ``shapes[g] = (batch, height, width)``: for each group in order a
+    :func:`draw_box` then a :func:`draw_permutation` (the numbers one group after another drew), as tensors on
+    the CPU: :class:`CutmixDraws`. Every group must have the same batch."""
+    boxes, weights, perms = [], [], []
+    for batch, height, width in shapes:
+        box = draw_box(height, width, generator)
+        boxes.append([box.top, box.bottom, box.left, box.right])
+        weights.append(box.weight)
+        perms.append(draw_permutation(batch, generator))
+    return CutmixDraws(
+        torch.tensor(boxes, dtype=torch.long), torch.tensor(weights, dtype=torch.float64), torch.stack(perms)
+    )
+
+
+@dataclass(frozen=True)
+class CutmixDraws:
+    """One step's boxes and permutations as tensors (:func:`draw_cutmix`; a compiled step's input, written in
+    place each step): ``boxes`` ``[G, 4]`` (top, bottom, left, right; end excluded), ``weights`` ``[G]``
+    (float64: ``1 - area / (h * w)`` as the host computes it), ``perms`` ``[G, B]``."""
+
+    boxes: Tensor
+    weights: Tensor
+    perms: Tensor
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> CutmixDraws:
+        return CutmixDraws(*(t.to(device, non_blocking=non_blocking) for t in (self.boxes, self.weights, self.perms)))
+
+    def copy_(self, other: CutmixDraws, non_blocking: bool = False) -> None:
+        mine, theirs = (self.boxes, self.weights, self.perms), (other.boxes, other.weights, other.perms)
+        for a, b in zip(mine, theirs, strict=True):
+            a.copy_(b, non_blocking=non_blocking)
+
+
+def cutmix_masked(images: Tensor, box: Tensor, weight: Tensor, perm: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`cutmix` with the box as a tensor ``[4]`` (top, bottom, left, right) and its weight a 0-d tensor: the
+    same pixels, pasted through a mask rather than a slice, so that neither the box nor the batch's content is a
+    Python value (one graph for every box, ``train.compile: step``). ``perm`` is on the images' device."""
+    h, w = images.shape[-2:]
+    rows = torch.arange(h, device=images.device)
+    cols = torch.arange(w, device=images.device)
+    inside = ((rows >= box[0]) & (rows < box[1]))[:, None] & ((cols >= box[2]) & (cols < box[3]))[None, :]
+    mixed = torch.where(inside, images[perm], images)
+    weights = weight.to(images.dtype).expand(images.shape[:-3]).clone()
     return mixed, weights
 
 

@@ -188,13 +188,13 @@ class BoWNet(OBoW):
             target.copy_(words[level])
         self.vocabulary_ready.fill_(True)
 
-    def _teacher_side(self, teacher_images: Tensor) -> dict:
+    def _teacher_side(self, teacher_images: Tensor, groups: list[Tensor]) -> dict:
         if not bool(self.vocabulary_ready):
             raise RuntimeError(
                 "BoWNet's vocabulary was never built: obow pretrain builds it with k-means before the first step "
                 "of a new run (BoWNet.prepare, settings bownet.kmeans_*); outside it call prepare or set_vocabularies"
             )
-        state = super()._teacher_side(teacher_images)
+        state = super()._teacher_side(teacher_images, groups)
         state["metrics"].pop("teacher_momentum", None)
         return state
 

@@ -229,8 +229,13 @@ class MoCoV2(Method):
             bn_splits=splits,
         )
 
+    def current_momentum(self) -> float:
+        """The key encoder's momentum for the step about to run: ``key_momentum``, constant (MoCo v2). A compiled
+        step (:mod:`obow.training.compiled`) writes it into :attr:`~obow.methods.base.Method.momentum_input`."""
+        return self.key_momentum
+
     @torch.no_grad()
-    def update_key_encoder(self, momentum: float) -> None:
+    def update_key_encoder(self, momentum: float | Tensor) -> None:
         """``key <- momentum * key + (1 - momentum) * query`` over the parameters of the backbone and the head;
         the key encoder's batch-norm statistics are its own."""
         keys = [*self.teacher.parameters(), *self.key_projector.parameters()]
@@ -279,9 +284,11 @@ class MoCoV2(Method):
                 f"the queue ({size} keys) must be a multiple of the keys enqueued per step ({n}, the global batch): "
                 "set moco.queue_size to a multiple of data.batch_size"
             )
-        ptr = int(self.queue_ptr)
-        self.queue[ptr : ptr + n] = keys.to(self.queue.dtype)
-        self.queue_ptr.fill_((ptr + n) % size)
+        # the rows ptr .. ptr + n - 1 (mod size) as a tensor: the pointer is never read on the host (a device
+        # synchronisation on a GPU) and the written rows never shape the graph (train.compile=step)
+        rows = (self.queue_ptr + torch.arange(n, device=self.queue_ptr.device)) % size
+        self.queue.index_copy_(0, rows, keys.to(self.queue.dtype))
+        self.queue_ptr.copy_((self.queue_ptr + n) % size)
 
     def forward(
         self,
@@ -318,9 +325,10 @@ class MoCoV2(Method):
         """Key-encoder update, this step's keys, and the queue as it is before they are added."""
         metrics: dict[str, Tensor] = {}
         if self.training:
-            self.update_key_encoder(self.key_momentum)
+            momentum = self.current_momentum() if self.momentum_input is None else self.momentum_input
+            self.update_key_encoder(momentum)
             self.iteration += 1
-            metrics["teacher_momentum"] = torch.tensor(self.key_momentum)
+            metrics["teacher_momentum"] = torch.as_tensor(momentum, dtype=torch.float32)
         keys, all_keys = self.compute_keys(teacher_images)
         return {
             "metrics": metrics,

@@ -32,8 +32,7 @@ from obow.bow.vocabulary import build_vocabulary
 from obow.checks import check_choice, check_unit_interval
 from obow.config import ModelConfig
 from obow.config.choices import LOSS_WEIGHTINGS, MOMENTUM_SCHEDULES
-from obow.data.cutmix import cutmix as cutmix_views
-from obow.data.cutmix import draw_box, draw_permutation, mix_targets
+from obow.data.cutmix import CutmixDraws, cutmix_masked, draw_cutmix, mix_targets
 from obow.diagnostics import feature_diagnostics, mean_pairwise_cosine
 from obow.methods.base import Method, StepOutput, check_views, ema_update_, group_weight
 from obow.schedules import teacher_momentum
@@ -53,7 +52,8 @@ class OBoW(Method):
         cutmix: in training, cut-mix every student view group (one box and one permutation of the batch per
             group, :mod:`obow.data.cutmix`) and mix its BoW targets by area. The draws come from
             :attr:`cutmix_generator` when set (a CPU ``torch.Generator``), else from torch's global CPU
-            generator (saved in checkpoints).
+            generator (saved in checkpoints), all of a step's groups at its start, before the teacher side (a
+            compiled step draws them on the host before its graph and writes them into :attr:`cutmix_input`).
     """
 
     def __init__(
@@ -87,6 +87,9 @@ class OBoW(Method):
         self.loss_weighting = loss_weighting
         self.cutmix = bool(cutmix)
         self.cutmix_generator: torch.Generator | None = None
+        #: The step's cutmix draws on the device, written in place by a compiled step (:mod:`obow.training.compiled`)
+        #: before each step; ``None``: the step draws them itself.
+        self.cutmix_input: CutmixDraws | None = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
 
     @classmethod
@@ -146,7 +149,7 @@ class OBoW(Method):
         groups (pass the loss scale as ``grad_scale`` when the backward passes are scaled, as with fp16).
         """
         groups = check_views(teacher_images, student_views)
-        step = self.grouped_step(group, len(groups), lambda: self._teacher_side(teacher_images))
+        step = self.grouped_step(group, len(groups), lambda: self._teacher_side(teacher_images, groups))
         state = step.state
         if step.first and group is not None:  # (only then: a compiled whole step must not return such leaves)
             state["leaf_weights"] = [w.detach().requires_grad_(w.requires_grad) for w in state["weights"]]
@@ -156,7 +159,7 @@ class OBoW(Method):
             # Separate groups before the last use detached weights; their gradient is collected below.
             with_graph = group is None or g == len(groups) - 1
             weights = state["weights"] if with_graph else state["leaf_weights"]
-            loss = loss + self._group_loss(g, groups, weights, state["bows"], metrics)
+            loss = loss + self._group_loss(g, groups, weights, state["bows"], state["cutmix"], metrics)
         metrics["loss"] = loss.detach()
         if group is not None and step.last:
             # dL/dG(V) accumulated by the earlier groups' backward passes, added through a surrogate that leaves
@@ -169,9 +172,19 @@ class OBoW(Method):
                 loss = loss + surrogate - surrogate.detach()
         return StepOutput(loss=loss, metrics=metrics, targets={k: b.targets for k, b in state["bows"].items()})
 
-    def _teacher_side(self, teacher_images: Tensor) -> dict:
-        """EMA update, BoW targets (and the vocabulary update), and the prediction weights over ``V_t``."""
+    def draw_cutmix(self, groups: Sequence[Tensor]) -> CutmixDraws:
+        """The step's cutmix draws for its view groups (``[B, n, 3, h, w]`` or ``[B, 3, h, w]``), on the CPU."""
+        return draw_cutmix([(v.shape[0], v.shape[-2], v.shape[-1]) for v in groups], self.cutmix_generator)
+
+    def _teacher_side(self, teacher_images: Tensor, groups: list[Tensor]) -> dict:
+        """Cutmix draws, EMA update, BoW targets (and the vocabulary update), and the prediction weights over
+        ``V_t``."""
         metrics: dict[str, Tensor] = {}
+        cutmix = None
+        if self.cutmix and self.training:
+            cutmix = self.cutmix_input
+            if cutmix is None:
+                cutmix = self.draw_cutmix(groups).to(teacher_images.device, non_blocking=True)
         if self.training:
             momentum = self.current_momentum() if self.momentum_input is None else self.momentum_input
             self.update_teacher(momentum)
@@ -193,21 +206,27 @@ class OBoW(Method):
             "metrics": metrics,
             "bows": bows,
             "weights": weights,
+            "cutmix": cutmix,
         }
 
     def _group_loss(
-        self, g: int, groups: list[Tensor], weights: list[Tensor], bows: dict[str, BoWTargets], metrics: dict
+        self,
+        g: int,
+        groups: list[Tensor],
+        weights: list[Tensor],
+        bows: dict[str, BoWTargets],
+        cutmix: CutmixDraws | None,
+        metrics: dict,
     ) -> Tensor:
         """Group ``g``'s term: mean over its views and over levels, weighted as ``loss_weighting`` says."""
         views = groups[g]
         batch, n = views.shape[:2]
         targets = {level: bows[level].targets for level in self.levels}
-        if self.cutmix and self.training:
-            box = draw_box(views.shape[-2], views.shape[-1], self.cutmix_generator)
-            perm = draw_permutation(batch, self.cutmix_generator)
-            views, mix_weights = cutmix_views(views, box, perm)
+        if cutmix is not None:
+            perm = cutmix.perms[g]
+            views, mix_weights = cutmix_masked(views, cutmix.boxes[g], cutmix.weights[g], perm)
             targets = {level: mix_targets(t, perm, mix_weights) for level, t in targets.items()}  # [B, n, K]
-            metrics[f"cutmix/group{g}/weight"] = torch.tensor(box.weight)
+            metrics[f"cutmix/group{g}/weight"] = cutmix.weights[g].to(torch.float32)
         features = self.student(views.flatten(0, 1)).pool5
         if self.diagnose and g == 0 and features.shape[0] > 1:  # collapse diagnostics, on the first group's views
             metrics.update({f"student/{k}": v for k, v in feature_diagnostics(features).items()})

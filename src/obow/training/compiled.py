@@ -25,9 +25,23 @@ numbers are PyTorch's own (``fallback_random``), so that a compiled run draws wh
 optimiser runs as ``foreach`` rather than ``fused`` (Dynamo does not trace the fused kernel), with the same
 momentum buffers, so a checkpoint moves between an eager run and a compiled one.
 
-Not yet: MoCo v2 (its key momentum must become a tensor first), BoWNet and RotNet, several processes
-(DistributedDataParallel), fp16 (the gradient scaler's skip reads the device), and cut-mixed views (the box
-is drawn on the host each step and would be a new graph each time); each is refused with one line.
+MoCo v2 compiles too: its key momentum is the same 0-d tensor, its queue is written through a pointer that stays
+on the device (``index_copy_`` of rows ``(ptr + arange(n)) % size``), and the key batch's permutation (shuffled
+batch norm) is drawn inside the graph from PyTorch's generator (``fallback_random`` under Inductor), so a
+compiled run draws the numbers an eager one does.
+
+Cut-mixed views (``model.cutmix``) compile too: the step draws its boxes and permutations on the host before the
+graph, from the generator and in the order of the eager step (:meth:`obow.methods.obow.OBoW.draw_cutmix`),
+writes them into tensors the graph reads (``model.cutmix_input``), and the graph pastes through a mask
+(:func:`obow.data.cutmix.cutmix_masked`): no box is a Python value in the graph.
+
+Replayed as CUDA graphs (Inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets; :data:`OPTIONS`,
+``benchmarks/throughput.py --compile-mode reduce-overhead``), each step marks a new CUDA-graph step before its
+graphs run and returns copies of its metrics (a replay overwrites its outputs). Not measured on a GPU yet
+(``benchmarks/gpu_compile.sh``).
+
+Not yet: BoWNet and RotNet, several processes (DistributedDataParallel) and fp16 (the gradient scaler's skip
+reads the device); each is refused with one line.
 """
 
 from __future__ import annotations
@@ -47,6 +61,10 @@ __all__ = ["CompiledStep", "check_step_compilable", "compiled_step", "configure_
 #: The Dynamo backend of a run's compiled step (the tests put aot_eager here: Inductor's C++ takes minutes on a CPU).
 BACKEND: Any = "inductor"
 
+#: Inductor options of a run's compiled step, e.g. ``{"triton.cudagraphs": True}`` (what ``mode="reduce-overhead"``
+#: sets: the step replayed as CUDA graphs; benchmarks/throughput.py --compile-mode reduce-overhead).
+OPTIONS: dict[str, Any] | None = None
+
 #: ``forward_backward(teacher_images, student_views) -> metrics``: the loop's forward and backward pass of a step.
 ForwardBackward = Callable[[Tensor, list[Tensor]], dict[str, Tensor]]
 
@@ -54,17 +72,10 @@ ForwardBackward = Callable[[Tensor, list[Tensor]], dict[str, Tensor]]
 def check_step_compilable(cfg: Config) -> str | None:
     """Why ``cfg`` cannot train with ``train.compile: step`` (one line), or ``None`` when it can."""
     method = cfg.model.method
-    if method == "mocov2":
-        return "train.compile=step does not support model.method=mocov2 yet; use train.compile=networks or off"
     if method in ("bownet", "rotnet"):
         return (
             f"train.compile=step does not support model.method={method}: its step reads host values each step "
             "(not yet made tensors); use train.compile=networks or off"
-        )
-    if cfg.model.cutmix:
-        return (
-            "train.compile=step does not support model.cutmix yet (its box is drawn on the host and would be a new "
-            "graph every step); use train.compile=networks or off"
         )
     if cfg.train.precision == "fp16":
         return (
@@ -88,7 +99,7 @@ def compiled_step(
     if cfg.train.compile != "step":
         configure_optimizer(optimizer, step=False)
         return None
-    return CompiledStep(model, optimizer, forward_backward, backend=BACKEND)
+    return CompiledStep(model, optimizer, forward_backward, backend=BACKEND, options=OPTIONS)
 
 
 def configure_optimizer(optimizer: torch.optim.Optimizer, step: bool) -> Tensor | None:
@@ -132,6 +143,8 @@ class CompiledStep:
         self.momentum = torch.zeros((), dtype=torch.float64, device=device)
         model.momentum_input = self.momentum
         start_momentum_buffers(optimizer)
+        #: replayed as CUDA graphs: a graph's outputs live in memory its next replay overwrites
+        self.cudagraphs = bool(options and options.get("triton.cudagraphs"))
         if backend == "inductor":
             options = {"fallback_random": True, **(options or {})}
         compile_ = dict(backend=backend, options=options) if options else dict(backend=backend)
@@ -143,12 +156,30 @@ class CompiledStep:
         """One step at learning rate ``lr``; returns its detached metrics (device tensors)."""
         self.lr.fill_(lr)
         self.momentum.fill_(self.model.current_momentum())  # from host_iteration: no read of the device
+        if getattr(self.model, "cutmix", False):
+            self._write_cutmix(student_views)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the previous one's outputs are done with
         forward_backward = self._logged if self.model.diagnose else self._unlogged
         with torch._dynamo.config.patch(trace_autograd_ops=True):
             metrics = forward_backward(teacher_images, student_views)
         self._step()
+        if self.cudagraphs:  # the caller may hold them past the next step (the progress bar, a logged step's floats)
+            metrics = {key: value.clone() for key, value in metrics.items()}
         return metrics
+
+    def _write_cutmix(self, student_views: list[Tensor]) -> None:
+        """This step's cutmix boxes and permutations, drawn on the host as the eager step draws them (the same
+        generator, the same order), into the tensors the graph reads (``model.cutmix_input``, written in place)."""
+        draws = self.model.draw_cutmix(student_views)
+        held = self.model.cutmix_input
+        if held is None or any(
+            a.shape != b.shape for a, b in zip((held.boxes, held.perms), (draws.boxes, draws.perms), strict=True)
+        ):
+            self.model.cutmix_input = draws.to(self.lr.device)
+        else:
+            held.copy_(draws, non_blocking=True)
 
     # Two functions with the same body: Dynamo keeps compiled code per Python function, so the logged variant
     # (diagnose=True) is a second graph compiled once, not a recompilation of the first on every logged step.

@@ -148,3 +148,16 @@ def test_the_readme_verdict_sentence_matches_the_numbers():
             assert obow.keys() == moco.keys() and all(moco[s] > obow[s] for s in obow), (name, score)
         gains.append(rows["OBoW (full)"]["mean"]["knn"] - table["random_init"]["mean"]["knn"])
     assert f"kNN +{gains[0]:.2f} and +{gains[1]:.2f} points over random init" in readme
+
+
+def test_the_readme_gives_the_shuffled_batch_norm_rerun_as_committed():
+    """Issue 44: the README's headline states MoCo v2 (our aug.) with shuffled batch norm on CIFAR-10 as the
+    committed re-run's mean ± deviation (two seeds), beside the rows trained with plain batch norm."""
+    readme = " ".join((ROOT / "README.md").read_text().split())  # the sentence wraps
+    table = json.loads((ROOT / "docs/results/tables/cifar10-mocov2-shufbn/table.json").read_text())
+    (row,) = [r for r in table["rows"] if r["label"] == "MoCo v2 (our aug.)"]
+    assert [run["seed"] for run in row["runs"]] == [0, 1]
+    assert all(run["scores"]["knn"] > 0 for run in row["runs"])
+    knn = f"kNN {row['mean']['knn']:.2f} ± {row['std']['knn']:.2f}"
+    linear = f"linear {row['mean']['linear']:.2f} ± {row['std']['linear']:.2f}"
+    assert f"MoCo v2 (same augmentations, shuffled batch norm): {knn}, {linear}" in readme

@@ -235,20 +235,6 @@ def test_gpu_compile_checks_run_on_the_cpu(throughput, tmp_path, tiny_recipe, wr
     assert json.loads((tmp_path / "c.json").read_text()) == result
 
 
-def test_gpu_compile_pass_skips_what_it_is_told_and_keeps_its_deadline(tmp_path):
-    parts = re.findall(r"^part (\w+)", (BENCHMARKS / "gpu_compile.sh").read_text(), flags=re.M)
-    assert {"checks", "checks_moco", "c10r18", "c10fast", "in20", "r50"} <= set(parts)
-    env = dict(os.environ, OUT=str(tmp_path / "out"), C10=str(tmp_path), INETTE=str(tmp_path), DEVICE="cpu")
-    env.update(DEADLINE="60", SKIP=" ".join(parts))
-    subprocess.run(["bash", str(BENCHMARKS / "gpu_compile.sh")], env=env, check=True, capture_output=True)
-    lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
-    assert lines[:-1] == [f"{name} skipped (SKIP)" for name in parts] and re.fullmatch(r"total \d+s", lines[-1])
-    env.update(DEADLINE="0", SKIP="", OUT=str(tmp_path / "late"))
-    subprocess.run(["bash", str(BENCHMARKS / "gpu_compile.sh")], env=env, check=True, capture_output=True)
-    lines = (tmp_path / "late" / "summary.txt").read_text().splitlines()
-    assert lines[:-1] == [f"{name} skipped (deadline)" for name in parts]
-
-
 def test_the_benchmark_step_diagnoses_as_the_loop_does(throughput, tmp_path, tiny_recipe, write_images):
     """``--diagnose logged`` computes the collapse diagnostics every ``train.log_every``-th step, as ``obow
     pretrain``; ``every`` on each step."""
@@ -280,16 +266,23 @@ def test_gpu_profile_runs_on_the_cpu(throughput, tmp_path, tiny_recipe, write_im
     assert "wall per step:" in out and "views: host" in out and "step: host" in out
 
 
-def test_gpu_throughput_pass_skips_what_it_is_told_and_keeps_its_deadline(tmp_path):
-    parts = re.findall(r"^part (\w+)", (BENCHMARKS / "gpu_throughput.sh").read_text(), flags=re.M)
-    assert {"c10r18", "c10r18_big", "quality", "profile", "libraries"} <= set(parts)
+@pytest.mark.parametrize(
+    "script, expected",
+    [
+        ("gpu_throughput.sh", {"c10r18", "c10r18_big", "quality", "profile", "libraries"}),
+        ("gpu_compile.sh", {"checks", "checks_moco", "c10r18", "c10fast", "in20", "r50"}),
+    ],
+)
+def test_gpu_pass_skips_what_it_is_told_and_keeps_its_deadline(tmp_path, script, expected):
+    parts = re.findall(r"^part (\w+)", (BENCHMARKS / script).read_text(), flags=re.M)
+    assert expected <= set(parts)
     env = dict(os.environ, OUT=str(tmp_path / "out"), C10=str(tmp_path), INETTE=str(tmp_path), DEVICE="cpu")
     env.update(DEADLINE="60", SKIP=" ".join(parts))
-    subprocess.run(["bash", str(BENCHMARKS / "gpu_throughput.sh")], env=env, check=True, capture_output=True)
+    subprocess.run(["bash", str(BENCHMARKS / script)], env=env, check=True, capture_output=True)
     lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
     assert lines[:-1] == [f"{name} skipped (SKIP)" for name in parts] and re.fullmatch(r"total \d+s", lines[-1])
     env.update(DEADLINE="0", SKIP="", OUT=str(tmp_path / "late"))
-    subprocess.run(["bash", str(BENCHMARKS / "gpu_throughput.sh")], env=env, check=True, capture_output=True)
+    subprocess.run(["bash", str(BENCHMARKS / script)], env=env, check=True, capture_output=True)
     lines = (tmp_path / "late" / "summary.txt").read_text().splitlines()
     assert lines[:-1] == [f"{name} skipped (deadline)" for name in parts]
 

@@ -34,6 +34,19 @@ def tiny_config(**sections) -> Config:
     return from_dict(Config, values)
 
 
+#: The compiled tests' network: the tiny recipe's narrow timm ResNet with one block a stage instead of two. Dynamo's
+#: and AOT autograd's time grows with the number of operators in the graph (a step traces the backbone three times,
+#: teacher and two student view groups, forward and backward, and the optimiser once per parameter), and the
+#: compiled step's code paths (stages, levels, BoW maps, every parameter's update) are the same with one block.
+ONE_BLOCK = {"layers": [1, 1, 1, 1]}
+
+
+def compile_config(**sections) -> Config:
+    """:func:`tiny_config` on the one-block network (:data:`ONE_BLOCK`)."""
+    model = {"arch_options": {**yaml.safe_load(TINY_RECIPE)["model"]["arch_options"], **ONE_BLOCK}}
+    return tiny_config(**{**sections, "model": {**model, **sections.get("model", {})}})
+
+
 # ------------------------------------------------------------------------------------------------ the setting
 
 
@@ -234,6 +247,47 @@ def assert_buffers_close(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert error <= MOMENTUM_RTOL, f"momentum buffer {tuple(expected.shape)}: relative error {error:.3g}"
 
 
+def eager_and_compiled(cfg: Config, steps: int, per_group: bool, backend) -> tuple:
+    """Two models of ``cfg`` (``steps`` steps long), their optimisers, and the second's :class:`CompiledStep` on
+    ``backend``: ``(eager, eager_opt, compiled, compiled_opt, step)``."""
+    eager, compiled = (build_model(cfg, steps, torch.device("cpu")).train() for _ in range(2))
+    eager_opt, compiled_opt = build_optimizer(eager, cfg), build_optimizer(compiled, cfg)
+
+    def compiled_forward_backward(teacher, views):
+        return forward_backward(compiled, teacher, views, None, contextlib.nullcontext(), per_group)
+
+    step = CompiledStep(compiled, compiled_opt, compiled_forward_backward, backend=backend)
+    return eager, eager_opt, compiled, compiled_opt, step
+
+
+def step_both_from_one_state(
+    eager, eager_opt, compiled, step: CompiledStep, i: int, lr: float, logged: bool, per_group: bool
+) -> tuple[dict, list, dict]:
+    """Step ``i`` twice from the compiled model's state: the eager model and optimiser take that state (the
+    optimiser fused, as an eager run's), and both run :func:`random_batch` ``(i)`` at ``lr`` from the same random
+    state; the compiled step must draw as many random numbers as the eager one and give the same metrics' keys.
+    Returns ``(eager metrics, eager gradients, compiled metrics)``."""
+    eager.load_state_dict(compiled.state_dict())
+    eager_opt.load_state_dict(copy.deepcopy(step.optimizer.state_dict()))  # (else they share the buffers)
+    configure_optimizer(eager_opt, step=False)  # fused, as an eager run's
+    teacher, views = random_batch(i)
+    for model in (eager, compiled):
+        model.diagnose, model.host_iteration = logged, i
+    state = torch.get_rng_state()
+    for group in eager_opt.param_groups:
+        group["lr"] = lr
+    eager_opt.zero_grad(set_to_none=True)
+    expected = forward_backward(eager, teacher, views, None, contextlib.nullcontext(), per_group)
+    gradients = [p.grad for p in eager.parameters()]
+    eager_opt.step()
+    drawn = torch.get_rng_state()
+    torch.set_rng_state(state)
+    got = step(teacher, views, lr)
+    assert torch.equal(torch.get_rng_state(), drawn), f"step {i}: the compiled step drew other random numbers"
+    assert got.keys() == expected.keys()
+    return expected, gradients, got
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "sections",
@@ -256,40 +310,19 @@ def test_compiled_step_equals_the_eager_step(sections, per_group):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    cfg = tiny_config(**sections)
-    eager, compiled = (build_model(cfg, STEPS, torch.device("cpu")).train() for _ in range(2))
-    eager_opt, compiled_opt = build_optimizer(eager, cfg), build_optimizer(compiled, cfg)
     counter = CompileCounterWithBackend("aot_eager")
-
-    def compiled_forward_backward(teacher, views):
-        return forward_backward(compiled, teacher, views, None, contextlib.nullcontext(), per_group)
-
-    step = CompiledStep(compiled, compiled_opt, compiled_forward_backward, backend=counter)
+    eager, eager_opt, compiled, compiled_opt, step = eager_and_compiled(
+        compile_config(**sections), STEPS, per_group, counter
+    )
     graphs_after = {}
     for i in range(STEPS):
-        eager.load_state_dict(compiled.state_dict())
-        eager_opt.load_state_dict(copy.deepcopy(compiled_opt.state_dict()))  # (else they share the buffers)
-        configure_optimizer(eager_opt, step=False)  # fused, as an eager run's
-        teacher, views = random_batch(i)
-        lr = 0.05 * (1 + np.cos(np.pi * i / STEPS)) / 2
-        logged = i % 7 == 3
-        for model in (eager, compiled):
-            model.diagnose, model.host_iteration = logged, i
         before = {name: p.detach().clone() for name, p in compiled.named_parameters()}
         trained = [p for group in compiled_opt.param_groups for p in group["params"]]
         buffers_before = {p: compiled_opt.state[p]["momentum_buffer"].clone() for p in trained}
-        state = torch.get_rng_state()
-        for group in eager_opt.param_groups:
-            group["lr"] = lr
-        eager_opt.zero_grad(set_to_none=True)
-        expected = forward_backward(eager, teacher, views, None, contextlib.nullcontext(), per_group)
-        gradients = [p.grad for p in eager.parameters()]
-        eager_opt.step()
-        drawn = torch.get_rng_state()
-        torch.set_rng_state(state)
-        got = step(teacher, views, lr)
-        assert torch.equal(torch.get_rng_state(), drawn)  # the compiled step drew as many numbers
-        assert got.keys() == expected.keys()
+        lr = 0.05 * (1 + np.cos(np.pi * i / STEPS)) / 2
+        expected, gradients, got = step_both_from_one_state(
+            eager, eager_opt, compiled, step, i, lr, logged=i % 7 == 3, per_group=per_group
+        )
         for key in expected:
             assert torch.equal(got[key], expected[key]), f"step {i}, {key}: {got[key]} != {expected[key]}"
         for p, gradient in zip(compiled.parameters(), gradients, strict=True):
@@ -332,7 +365,7 @@ def test_a_compiled_run_never_recompiles_and_its_checkpoints_move_to_and_from_ea
     counter = CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(compiled, "BACKEND", counter)
     settings = [f"data.path={data}", "optim.epochs=2", "train.log_every=2", "train.keep_every=1", "train.knn_every=0"]
-    settings += ["train.tensorboard=false"]
+    settings += ["train.tensorboard=false", f"model.arch_options.layers={ONE_BLOCK['layers']}"]
 
     def run(out: Path, mode: str) -> dict:
         torch._dynamo.reset()
@@ -369,14 +402,7 @@ def test_inductor_compiled_step_equals_the_eager_step_to_rounding():
     draw the same random numbers and give the same metrics, gradients, weights, teacher, queue and batch-norm
     buffers to float32 rounding (INDUCTOR_RTOL of each tensor's norm)."""
     torch._dynamo.reset()
-    cfg = tiny_config()
-    eager, compiled = (build_model(cfg, 3, torch.device("cpu")).train() for _ in range(2))
-    eager_opt, compiled_opt = build_optimizer(eager, cfg), build_optimizer(compiled, cfg)
-
-    def compiled_forward_backward(teacher, views):
-        return forward_backward(compiled, teacher, views, None, contextlib.nullcontext(), False)
-
-    step = CompiledStep(compiled, compiled_opt, compiled_forward_backward, backend="inductor")
+    eager, eager_opt, compiled, _, step = eager_and_compiled(compile_config(), 3, False, "inductor")
 
     def close(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
         if not torch.is_floating_point(expected):
@@ -387,25 +413,10 @@ def test_inductor_compiled_step_equals_the_eager_step_to_rounding():
         assert error <= bound, f"{what}: {error:.3g} > {bound:.3g}"
 
     for i in range(3):
-        eager.load_state_dict(compiled.state_dict())
-        eager_opt.load_state_dict(copy.deepcopy(compiled_opt.state_dict()))
-        configure_optimizer(eager_opt, step=False)
-        teacher, views = random_batch(i)
-        lr = 0.05 / (i + 1)
-        for model in (eager, compiled):
-            model.diagnose, model.host_iteration = False, i
-        state = torch.get_rng_state()
-        for group in eager_opt.param_groups:
-            group["lr"] = lr
-        eager_opt.zero_grad(set_to_none=True)
-        expected = forward_backward(eager, teacher, views, None, contextlib.nullcontext(), False)
-        gradients = [p.grad for p in eager.parameters()]
-        eager_opt.step()
-        drawn = torch.get_rng_state()
-        torch.set_rng_state(state)
-        got = step(teacher, views, lr)
-        assert torch.equal(torch.get_rng_state(), drawn)  # fallback_random: PyTorch's own generator, as many numbers
-        assert got.keys() == expected.keys()
+        # fallback_random: PyTorch's own generator, as many numbers as the eager step draws
+        expected, gradients, got = step_both_from_one_state(
+            eager, eager_opt, compiled, step, i, 0.05 / (i + 1), logged=False, per_group=False
+        )
         for key in expected:
             close(got[key], expected[key], f"step {i}, {key}")
         for (name, p), gradient in zip(compiled.named_parameters(), gradients, strict=True):

@@ -1,6 +1,7 @@
 """``train.compile: step`` (obow.training.compiled): the setting, the refusals, the pieces of the step that must
-not read the device or change shape with the data, and (slow: each compiled variant takes a minute of Dynamo on
-a CPU) the compiled step against the eager one, step for step, and a whole run with no recompilation."""
+not read the device or change shape with the data, and (slow: each compiled variant takes half a minute of Dynamo
+on a busy 2-core CPU, even on the one-block network of :func:`compile_config`) the compiled step against the eager
+one, step for step, and a whole run with no recompilation."""
 
 from __future__ import annotations
 

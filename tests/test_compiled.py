@@ -136,6 +136,27 @@ def refuse_requires_grad_as_torch_2_11(self, tx, requires_grad=True):  # noqa: A
     raise torch._dynamo.exc.Unsupported("Unsupported Tensor.requires_grad_() call")
 
 
+def add_alpha_as_torch_2_11(self, tx, other, *, alpha=None):  # noqa: ANN001, ANN201
+    """torch 2.11's Dynamo on ``Tensor.add_(other, alpha=a)``: ``add_(other * a)``, two roundings."""
+    from torch._dynamo.variables import TorchInGraphFunctionVariable
+
+    if alpha is None:
+        return None
+    product = TorchInGraphFunctionVariable(torch.mul).call_function(tx, [other, alpha], {})
+    return self.call_method(tx, "add_", [product], {})
+
+
+def patch_tensor_method(monkeypatch, name: str, handler) -> None:  # noqa: ANN001
+    """Dynamo's handler of ``Tensor.<name>`` replaced by ``handler`` (a table of methods in newer torches)."""
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    if hasattr(TensorVariable, "tp_methods"):
+        method = TensorVariable.tp_methods[name]
+        monkeypatch.setitem(TensorVariable.tp_methods, name, type(method)(handler))
+    else:
+        monkeypatch.setattr(TensorVariable, f"method_{name}", handler)
+
+
 @pytest.fixture
 def fresh_probes():
     """The probes' answers forgotten before and after (they describe the torch, which a test changes), and Dynamo's
@@ -187,17 +208,9 @@ def test_step_falls_back_to_the_whole_backward_where_dynamo_cannot_make_leaf_ten
     """Where Dynamo refuses ``Tensor.requires_grad_`` in a graph (torch 2.11), ``train.backward_per_group`` cannot
     compile (the per-group step makes the prediction weights leaves): the compiled step back-propagates the whole
     loss, saying so in one line. Eager steps keep their setting."""
-    from torch._dynamo.variables.tensor import TensorVariable
-
     from obow.training.loop import step_forward_backward
 
-    if hasattr(TensorVariable, "tp_methods"):  # (a table of methods since torch 2.12 or so)
-        method = TensorVariable.tp_methods["requires_grad_"]
-        monkeypatch.setitem(
-            TensorVariable.tp_methods, "requires_grad_", type(method)(refuse_requires_grad_as_torch_2_11)
-        )
-    else:
-        monkeypatch.setattr(TensorVariable, "method_requires_grad_", refuse_requires_grad_as_torch_2_11)
+    patch_tensor_method(monkeypatch, "requires_grad_", refuse_requires_grad_as_torch_2_11)
     assert not compiled_module.traces_leaf_tensors()
     cfg = tiny_config(train={"compile": "step", "backward_per_group": True})
     model = build_model(cfg, 10, torch.device("cpu"))
@@ -210,6 +223,33 @@ def test_step_falls_back_to_the_whole_backward_where_dynamo_cannot_make_leaf_ten
     said = [r.getMessage() for r in caplog.records if r.name == "obow"]
     assert len(said) == 1 and "back-propagates the whole loss at once" in said[0] and "\n" not in said[0]
     assert compiled_module.step_per_group(False) is False
+
+
+def test_kmeans_statistics_compile_as_eager_where_dynamo_splits_add_with_alpha(monkeypatch):
+    """Where Dynamo splits ``Tensor.add_(x, alpha=a)`` into a multiply and an add (torch 2.11), a compiled k-means
+    update still gives the eager statistics and words bit for bit (the old ``mul_(g).add_(x, alpha=1 - g)`` was
+    1 ulp off on most of them)."""
+    patch_tensor_method(monkeypatch, "add_", add_alpha_as_torch_2_11)
+    torch._dynamo.reset()
+    k, c = 16, 8
+    eager, compiled = (KMeansVocabulary(k, c, momentum=0.99, rare_word_steps=None) for _ in range(2))
+    torch.manual_seed(0)
+    compiled.load_state_dict(eager.state_dict())
+    counts, sums = torch.rand(k) * 3, torch.randn(k, c)
+    for vocab in (eager, compiled):  # a vocabulary some steps into a run: statistics that are not round numbers
+        vocab.counts.copy_(counts)
+        vocab.sums.copy_(sums)
+    update = torch.compile(compiled.update, backend="eager", fullgraph=True)
+    try:
+        for _ in range(3):
+            fmap = torch.randn(4, c, 5, 5)
+            distances = squared_distances(flatten_locations(fmap), eager.words)
+            eager.update(fmap, distances, None)
+            update(fmap, distances, None)
+            for name in ("counts", "sums", "words"):
+                assert torch.equal(getattr(compiled, name), getattr(eager, name)), name
+    finally:
+        torch._dynamo.reset()
 
 
 class DataDependentOps(TorchDispatchMode):

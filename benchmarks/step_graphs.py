@@ -17,7 +17,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from obow.config import load_config
 from obow.training.build import build_model, build_optimizer
-from obow.training.compiled import CompiledStep
+from obow.training.compiled import CompiledStep, step_per_group
 from obow.training.loop import forward_backward
 
 
@@ -37,7 +37,7 @@ def main() -> None:
     cfg = load_config(args.config, args.overrides)
     model = build_model(cfg, args.steps, torch.device("cpu")).train()
     optimizer = build_optimizer(model, cfg)
-    per_group = cfg.train.backward_per_group and model.supports_groups
+    per_group = step_per_group(cfg.train.backward_per_group and model.supports_groups)
     passes, optimiser = CompileCounterWithBackend("aot_eager"), CompileCounterWithBackend("aot_eager")
 
     def body(teacher, views):

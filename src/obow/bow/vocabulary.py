@@ -175,8 +175,10 @@ class KMeansVocabulary(Vocabulary):
         batch_counts = D.all_reduce_sum(batch_counts)
         batch_sums = D.all_reduce_sum(batch_sums)
         g = self.momentum
-        self.counts.mul_(g).add_(batch_counts, alpha=1 - g)
-        self.sums.mul_(g).add_(batch_sums, alpha=1 - g)
+        # (torch.add with alpha, one rounding as eager's add_(alpha=) has: torch 2.11's Dynamo splits Tensor.add_
+        # with alpha into a multiply and an add, so a compiled step's statistics were 1 ulp off the eager ones)
+        self.counts.copy_(torch.add(self.counts * g, batch_counts, alpha=1 - g))
+        self.sums.copy_(torch.add(self.sums * g, batch_sums, alpha=1 - g))
         assigned = batch_counts > 0
         centroids = self.sums / self.counts.clamp_min(torch.finfo(self.counts.dtype).tiny).unsqueeze(1)
         self.words.copy_(torch.where(assigned.unsqueeze(1), centroids, self.words))

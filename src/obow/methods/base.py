@@ -54,6 +54,13 @@ class GroupedStep:
     last: bool  # this call ends the step: no later group will use ``state``
 
 
+#: How :func:`ema_update_` interpolates with a 0-d tensor momentum (a compiled step's): ``torch._foreach_lerp_``,
+#: or ``Tensor.lerp_`` pair by pair where Dynamo computes the former otherwise than eager (torch 2.11: a multiply,
+#: then an add; set by :class:`obow.training.compiled.CompiledStep` after
+#: :func:`~obow.training.compiled.lerps_as_eager`). Both compute what the float momentum's update does, eagerly.
+FOREACH_TENSOR_LERP = True
+
+
 @torch.no_grad()
 def ema_update_(averages: Iterable[Tensor], sources: Iterable[Tensor], momentum: float | Tensor) -> None:
     """``average <- momentum * average + (1 - momentum) * source`` in place, pair by pair.
@@ -70,7 +77,12 @@ def ema_update_(averages: Iterable[Tensor], sources: Iterable[Tensor], momentum:
     if not averages:  # _foreach_lerp_ rejects empty lists (a parameter-free network)
         return
     if isinstance(momentum, Tensor):
-        torch._foreach_lerp_(averages, sources, (1.0 - momentum).to(averages[0].dtype))
+        weight = (1.0 - momentum).to(averages[0].dtype)
+        if FOREACH_TENSOR_LERP:
+            torch._foreach_lerp_(averages, sources, weight)
+        else:
+            for average, source in zip(averages, sources, strict=True):
+                average.lerp_(source, weight)
     elif momentum < 1.0:
         torch._foreach_lerp_(averages, sources, 1.0 - momentum)
 

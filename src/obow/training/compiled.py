@@ -42,10 +42,20 @@ graphs run and returns copies of its metrics (a replay overwrites its outputs). 
 
 Not yet: BoWNet and RotNet, several processes (DistributedDataParallel) and fp16 (the gradient scaler's skip
 reads the device); each is refused with one line.
+
+Older torches (the GPU machines' 2.11) lack two things the step uses; each is detected by trying it on a toy
+(:func:`traces_leaf_tensors`, :func:`lerps_as_eager`, once a process), and the step falls back, saying so in one
+log line: a per-group backward (``train.backward_per_group``) makes leaf tensors inside the graph, which 2.11's
+Dynamo refuses (``Tensor.requires_grad_``), so the step back-propagates the whole loss at once; and 2.11's Dynamo
+decomposes ``torch._foreach_lerp_`` with a tensor weight into a multiply and an add (two roundings against the
+eager kernel's one), so the teacher's EMA is ``Tensor.lerp_`` pair by pair
+(:data:`obow.methods.base.FOREACH_TENSOR_LERP`).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -54,9 +64,20 @@ from torch import Tensor
 
 from obow import distributed as D
 from obow.config import Config
+from obow.methods import base
 from obow.methods.base import Method
 
-__all__ = ["CompiledStep", "check_step_compilable", "compiled_step", "configure_optimizer"]
+__all__ = [
+    "CompiledStep",
+    "check_step_compilable",
+    "compiled_step",
+    "configure_optimizer",
+    "lerps_as_eager",
+    "step_per_group",
+    "traces_leaf_tensors",
+]
+
+log = logging.getLogger("obow")
 
 #: The Dynamo backend of a run's compiled step (the tests put aot_eager here: Inductor's C++ takes minutes on a CPU).
 BACKEND: Any = "inductor"
@@ -89,6 +110,57 @@ def check_step_compilable(cfg: Config) -> str | None:
             f"this is torch {torch.__version__}"
         )
     return None
+
+
+@functools.cache
+def traces_leaf_tensors() -> bool:
+    """Whether this torch's Dynamo makes a leaf tensor inside a graph and back-propagates to it, as the per-group
+    backward does (:meth:`obow.methods.obow.OBoW.forward`: detached prediction weights). torch 2.11's refuses
+    (``Unsupported Tensor.requires_grad_() call``); 2.14's can."""
+
+    def probe(x: Tensor) -> Tensor:
+        leaf = (x * 2).detach().requires_grad_(True)
+        (leaf * x).sum().backward()
+        return leaf.grad * 1
+
+    try:
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            torch.compile(probe, backend="eager", fullgraph=True)(torch.arange(3.0))
+    except torch._dynamo.exc.Unsupported:
+        return False
+    return True
+
+
+@functools.cache
+def lerps_as_eager() -> bool:
+    """Whether this torch's Dynamo computes ``torch._foreach_lerp_`` with a 0-d tensor weight as the eager kernel
+    does (one rounding). torch 2.11's decomposes it into a multiply and an add, 1 ulp apart on most elements;
+    2.14's through ``addcmul`` is exact."""
+
+    def lerp(averages: list[Tensor], sources: list[Tensor], weight: Tensor) -> None:
+        torch._foreach_lerp_(averages, sources, weight)
+
+    g = torch.Generator().manual_seed(0)
+    start, end = torch.randn(4096, generator=g), torch.randn(4096, generator=g)
+    weight = torch.tensor(0.01)
+    expected, got = [start.clone()], [start.clone()]
+    torch._foreach_lerp_(expected, [end], float(weight))
+    torch.compile(lerp, backend="eager", fullgraph=True)(got, [end], weight)
+    return torch.equal(got[0], expected[0])
+
+
+def step_per_group(requested: bool) -> bool:
+    """Whether a compiled step back-propagates per view group: as ``requested`` (``train.backward_per_group``, and
+    a method that has groups), unless this torch cannot (:func:`traces_leaf_tensors`), which it says in one line."""
+    if requested and not traces_leaf_tensors():
+        log.warning(
+            "train.compile=step: torch %s cannot make leaf tensors in a compiled graph (Dynamo refuses "
+            "Tensor.requires_grad_), so the step back-propagates the whole loss at once, not per view group "
+            "(train.backward_per_group ignored: the same gradients to rounding, more activation memory)",
+            torch.__version__,
+        )
+        return False
+    return requested
 
 
 def compiled_step(
@@ -142,6 +214,13 @@ class CompiledStep:
         device = self.lr.device
         self.momentum = torch.zeros((), dtype=torch.float64, device=device)
         model.momentum_input = self.momentum
+        if base.FOREACH_TENSOR_LERP and not lerps_as_eager():
+            log.warning(
+                "train.compile=step: torch %s's Dynamo rounds torch._foreach_lerp_ with a tensor weight otherwise "
+                "than eager (a multiply, then an add), so the EMA updates use Tensor.lerp_ per parameter",
+                torch.__version__,
+            )
+            base.FOREACH_TENSOR_LERP = False
         start_momentum_buffers(optimizer)
         #: replayed as CUDA graphs: a graph's outputs live in memory its next replay overwrites
         self.cudagraphs = bool(options and options.get("triton.cudagraphs"))

@@ -45,7 +45,7 @@ from obow.training.build import (
     prepare_step_model,
     setup_process,
 )
-from obow.training.compiled import CompiledStep, check_step_compilable, compiled_step
+from obow.training.compiled import CompiledStep, check_step_compilable, compiled_step, step_per_group
 from obow.training.lock import RunLock
 from obow.training.logger import RunLogger, log_interval, log_main, logged_step, logged_steps
 from obow.training.precision import precision_context
@@ -368,7 +368,7 @@ def make_monitor(
 def step_forward_backward(cfg: Config, model: Method) -> Callable[[torch.Tensor, list[torch.Tensor]], dict]:
     """:func:`forward_backward` of ``model`` as a compiled step calls it (no gradient scaler: fp32 or bf16)."""
     autocast = precision_context(cfg.train.precision, next(model.parameters()).device)
-    per_group = cfg.train.backward_per_group and model.supports_groups
+    per_group = step_per_group(cfg.train.backward_per_group and model.supports_groups)
     return lambda teacher_images, student_views: forward_backward(
         model, teacher_images, student_views, None, autocast, per_group
     )

@@ -88,8 +88,9 @@ def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
         for key in ("fewshot_10way_1shot", "fewshot_10way_5shot", "knn_k20"):
             assert 0 <= row[key] <= 100
     # A random network's features barely tell the mosaics apart (that is the point of the data); the seeded
-    # network on the seeded data scores what the screening runs measured (README), and the trained one differs.
-    assert rows["random init"]["knn_k20"] == pytest.approx(13.9, abs=0.5)
+    # network on the seeded data scores what the demo's measured runs report (docs/demo.md: 16.24 at seed 0),
+    # and the trained one differs.
+    assert rows["random init"]["knn_k20"] == pytest.approx(16.24, abs=0.5)
     assert rows["OBoW pretrained"]["knn_k20"] != rows["random init"]["knn_k20"]
     saved = json.loads((tmp_path / "demo_results.json").read_text())
     assert saved["results"] == rows and saved["pretext"]["first_loss"] > 0

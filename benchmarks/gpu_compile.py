@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> dict:
     # this torch's probes (each a toy graph, compiled once a process) before the count: only the step's graphs count
     compiled_module.traces_leaf_tensors()
     compiled_module.lerps_as_eager()
+    # and a fresh Dynamo: what this process compiled before (another test's step on the same network) is compiled
+    # again and counted, so the count is this step's whatever ran earlier
+    torch._dynamo.reset()
     counters.clear()
     overrides = [*args.overrides, "train.compile=step"]
     cfg = throughput.benchmark_config(

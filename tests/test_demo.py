@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 
 from obow.config import load_config
-from obow.experiments.demo import beats_constant_predictor, run_demo, write_digits
+from obow.experiments.demo import beats_constant_predictor, demo_settings, run_demo, write_digits
 from obow.methods.obow import OBoW
 from obow.weights.load import load_backbone
 
@@ -70,6 +70,17 @@ def test_random_init_baseline_is_the_pretraining_runs_starting_network():
         torch.testing.assert_close(baseline.state_dict()[name], value, rtol=0, atol=0, msg=name)
 
 
+def test_demo_keeps_the_decoded_images_in_its_own_folder_unless_told_otherwise(tmp_path):
+    train, val = tmp_path / "data" / "digits" / "train", tmp_path / "data" / "digits" / "val"
+    cfg = load_config("demo", demo_settings(tmp_path, ["train.seed=3"], train, val))
+    assert cfg.data.pipeline == "device" and cfg.train.seed == 3
+    assert (cfg.data.cache_dir, cfg.data.path, cfg.data.val_path) == tuple(
+        str(p) for p in (tmp_path / "data" / "cache", train, val)
+    )
+    mine = load_config("demo", demo_settings(tmp_path, ["data.cache_dir=/elsewhere", "data.path=/x"], train, val))
+    assert (mine.data.cache_dir, mine.data.path) == ("/elsewhere", str(train))  # the folders it wrote win
+
+
 @pytest.mark.slow
 def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
     report = run_demo(
@@ -92,6 +103,9 @@ def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
     # and the trained one differs.
     assert rows["random init"]["knn_k20"] == pytest.approx(16.24, abs=0.5)
     assert rows["OBoW pretrained"]["knn_k20"] != rows["random init"]["knn_k20"]
+    # the recipe's device pipeline made the views, from a decoded copy under the demo's folder
+    assert load_config(tmp_path / "pretrain" / "config.yaml").data.pipeline == "device"
+    assert list((tmp_path / "data" / "cache").glob("*.u8"))
     saved = json.loads((tmp_path / "demo_results.json").read_text())
     assert saved["results"] == rows and saved["pretext"]["first_loss"] > 0
     # the verdict on the pretext task, from the run's own log (its logic: tests/test_demo_verdict.py)

@@ -208,6 +208,19 @@ def write_demo_data(dataset: str, root: Path) -> tuple[Path, Path]:
     return write_digits(root / dataset)
 
 
+def demo_settings(out: Path, overrides: list[str], train_dir: Path, val_dir: Path) -> list[str]:
+    """The settings the demo adds to its recipe around the user's ``overrides``: the device pipeline's decoded copy
+    of the images (the ``demo`` recipe's ``data.pipeline: device``) under the demo's own folder,
+    ``<out>/data/cache``, not ``~/.cache/obow`` (an override of ``data.cache_dir`` wins), and the data folders
+    it wrote (which win over any override)."""
+    return [
+        f"data.cache_dir={out / 'data' / 'cache'}",
+        *overrides,
+        f"data.path={train_dir}",
+        f"data.val_path={val_dir}",
+    ]
+
+
 def run_demo(out: Path, overrides: list[str], dataset: str = "digits") -> dict:
     """Write the data, pretrain with the dataset's recipe, compare with random init; return the numbers."""
     import torch
@@ -228,7 +241,7 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits") -> dict:
     check_choice("dataset", dataset, tuple(DATASETS))
     data = DATASETS[dataset]
     train_dir, val_dir = write_demo_data(dataset, out / "data")
-    cfg = load_config(data.recipe, [*overrides, f"data.path={train_dir}", f"data.val_path={val_dir}"])
+    cfg = load_config(data.recipe, demo_settings(out, overrides, train_dir, val_dir))
     log.info("Demo: pretraining %s on %s (recipe '%s')", cfg.model.arch, train_dir, data.recipe)
     result = pretrain(cfg, out / "pretrain", monitor=KNNMonitor)
     pretrain_time = time.time() - start

@@ -11,7 +11,8 @@ the forward-backward graph are compiled and recorded), then, on one batch alread
   ("skipping cudagraphs due to ...", captured from the ``torch._inductor`` loggers);
 * ``graph_breaks`` and ``unique_graphs``: Dynamo's counters (the forward-backward graphs are ``fullgraph``: a break
   there is an error, not a count; the two "user-inserted" breaks are torch.optim's own, around the optimiser
-  step; 3 graphs: unlogged and logged forward-backward, optimiser);
+  step; 3 graphs: unlogged and logged forward-backward, optimiser; on a GPU a 4th, the device pipeline's compiled
+  render, :func:`obow.data.batched_views.compiled_render`);
 * ``sync_error``: ``--checked`` unlogged steps under ``torch.cuda.set_sync_debug_mode("error")``, where an
   operation that synchronises the host with the device raises; ``null`` when none did (the error's text
   otherwise).

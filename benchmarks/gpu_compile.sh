@@ -10,11 +10,13 @@
 # batches and steps). SKIP: parts to leave out (e.g. SKIP="in20 r50" for a first call, SKIP="checks c10r18
 # c10fast" for a second).
 # Writes to $OUT: summary.txt (one line per part), all.log, checks.json and checks_moco.json (benchmarks/gpu_compile.py),
-# throughput.json and throughput.md (benchmarks/throughput.py).
+# render.json (benchmarks/render.py), throughput.json and throughput.md (benchmarks/throughput.py).
 # Parts, in order:
 #   checks: train.compile=step replayed as CUDA graphs (mode reduce-overhead) on cifar10_resnet18 at batch 512:
 #           CUDA-graph skips (must be 0, with Inductor's reasons), graph breaks, and unlogged steps under
 #           torch.cuda.set_sync_debug_mode("error") (must raise nothing); checks_moco: the same for MoCo v2;
+#   render: the device pipeline's render of cifar10_resnet18's views at batch 512, eager, dense and compiled
+#           (benchmarks/render.py; with train.compile=step a GPU run renders compiled, on a side stream);
 #   c10r18, c10fast, in20, r50: the four recipes end to end and step alone (not the loader alone) with train.compile off, networks and
 #           step (reduce-overhead), device pipeline, bf16 + channels_last, at the recipe's batch (imagenet_resnet50_full
 #           at 128: three runs share the GPU), each figure the median of 3 alternating rounds of 30 timed steps after
@@ -43,9 +45,10 @@ if [ "$SMALL" = 1 ]; then # the dry run: every part, tiny
     TPX="--warmup 2 --steps 1 --rounds 1 --min-images 32 --compile-backend aot_eager"
     CHX="--warmup 2 --checked 1 --min-images 32 --compile-backend aot_eager"
     MODES="off step" # networks is Inductor's alone
+    RX="--warmup 1 --steps 1 --rounds 1 --compile-backend aot_eager"
 else
     B_CHECK="data.batch_size=512" B_REC="" B_R50="data.batch_size=128"
-    TPX="--warmup 10 --steps 30 --rounds 3" CHX="--warmup 6 --checked 3"
+    TPX="--warmup 10 --steps 30 --rounds 3" CHX="--warmup 6 --checked 3" RX="--warmup 5 --steps 30 --rounds 3"
     MODES="off networks step"
 fi
 FAST="train.precision=bf16 train.channels_last=true"
@@ -59,6 +62,8 @@ part checks 150 python3 benchmarks/gpu_compile.py --device "$DEVICE" --cache-dir
 # MoCo v2: its shuffled batch norm's randperm and its queue's index_copy_ inside the CUDA graphs
 part checks_moco 120 python3 benchmarks/gpu_compile.py --device "$DEVICE" --cache-dir "$CACHE" --json "$OUT/checks_moco.json" \
     $CHX --config cifar10_resnet18 --data "$C10/train" $B_CHECK $FAST model.method=mocov2 moco.queue_size=4096
+# the device pipeline's render, eager against compiled (what train.compile=step renders with on a GPU), at batch 512
+part render 90 python3 benchmarks/render.py --device "$DEVICE" --json "$OUT/render.json" $RX --config cifar10_resnet18 $B_CHECK
 part c10r18 200 $TP --config cifar10_resnet18 --data "$C10/train" $B_REC $FAST
 part c10fast 200 $TP --config cifar10_fast --data "$C10/train" $B_REC $FAST
 part in20 200 $TP --config imagenet20_resnet18_full --data "$INETTE/train" $B_REC data.images_per_class=null $FAST

@@ -17,6 +17,8 @@ from obow.config import load_config
 from obow.data.batched_views import (
     BatchedViews,
     color_jitter,
+    color_jitter_dense,
+    compiled_render,
     draw_patch_cells,
     gaussian_blur,
     random_resized_boxes,
@@ -265,6 +267,72 @@ def test_colour_jitter_is_each_views_operations_in_its_own_order():
             assert torch.equal(out[i], x[i])
     wrong = color_jitter(x, factors, order.flip(1), apply)  # the test sees the order
     assert (wrong - out).abs().max() > 1e-2
+
+
+def test_the_dense_colour_jitter_is_the_picked_one_bit_for_bit():
+    """:func:`color_jitter_dense` (every view through every operation, kept where drawn: what a compiled render
+    runs) against :func:`color_jitter` (the operations run on the views picked on the host), on grey, flat and
+    saturated views too; the check sees a view whose operation is dropped."""
+    g = torch.Generator().manual_seed(1)
+    n = 48
+    x = torch.rand(n, 3, 6, 5, generator=g)
+    x[:3] = x[:3, :1]
+    x[3] = 0.25
+    factors = torch.stack([torch.empty(n).uniform_(0.2, 1.8, generator=g) for _ in range(3)]
+                          + [torch.empty(n).uniform_(-0.5, 0.5, generator=g)], dim=1)  # fmt: skip
+    order = torch.argsort(torch.rand(n, 4, generator=g), dim=1)
+    apply = torch.rand(n, generator=g) < 0.8
+    picked = color_jitter(x, factors, order, apply)
+    assert torch.equal(color_jitter_dense(x, factors, order, apply), picked)
+    one_less = apply.clone()
+    one_less[int(torch.nonzero(apply)[0])] = False
+    assert not torch.equal(color_jitter_dense(x, factors, order, one_less), picked)
+
+
+@pytest.mark.parametrize("mocov2", [False, True], ids=["obow", "mocov2"])
+def test_the_dense_render_and_its_compiled_graph_make_the_same_views(mocov2):
+    """The render a compiled device pipeline runs: dense, eager, equal to the usual render bit for bit; traced
+    whole into one graph (``fullgraph``) that batches of new parameters reuse without recompiling, and under
+    ``aot_eager`` (the same operators) equal bit for bit again. Inductor's fused kernels: the slow test below."""
+    import torch._dynamo
+    import torch._dynamo.testing
+
+    views = BatchedViews(views_cfg(), side=32, mocov2=mocov2)
+    images = torch.stack([batch_of(scene(seed=s), 1)[0] for s in range(6)])
+    g = torch.Generator().manual_seed(3)
+    draws = [views.draw(6, g) for _ in range(3)]
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    render = compiled_render(views, torch.device("cpu"), backend=counter)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for params in draws:
+            usual = views.render(images, params)
+            dense = views.render(images, params, dense=True)
+            traced = render(images, params)
+            assert usual.keys() == dense.keys() == traced.keys()
+            for key in usual:
+                assert torch.equal(dense[key], usual[key]), key
+                assert torch.equal(traced[key], usual[key]), key
+    assert counter.frame_count == 1
+
+
+@pytest.mark.slow
+def test_the_render_compiled_by_inductor_makes_the_same_views_to_rounding():
+    """Inductor's fused kernels (what a GPU run with ``train.compile: step`` renders with) against the eager render:
+    normalised views within 1e-5 (float32 rounding of a few dozen operations on values of order 1, where a wrong
+    operation, e.g. a dropped hue rotation, moves views by more than 1e-2)."""
+    import torch._dynamo
+
+    views = BatchedViews(views_cfg(), side=32)
+    images = torch.stack([batch_of(scene(seed=s), 1)[0] for s in range(16)])
+    params = views.draw(16, torch.Generator().manual_seed(4))
+    torch._dynamo.reset()
+    traced = compiled_render(views, torch.device("cpu"))(images, params)
+    usual = views.render(images, params)
+    for key in usual:
+        torch.testing.assert_close(traced[key], usual[key], rtol=0, atol=1e-5)
+    params.crops.photo.jitter[:] = False
+    assert (views.render(images, params)["crops"] - usual["crops"]).abs().max() > 1e-2
 
 
 def per_view_stats(crops: torch.Tensor, cfg) -> dict[str, np.ndarray]:

@@ -264,6 +264,20 @@ def test_views_libraries_compares_obow_with_the_installed_libraries(tmp_path):
     assert rates["obow"] > 0 and all(r > 0 for r in rates.values())
 
 
+def test_render_times_the_eager_dense_and_compiled_renders_in_the_same_rounds(tmp_path, capsys):
+    render = load_script("render")
+    out = tmp_path / "render.json"
+    result = render.main(["--config", "cifar10_fast", "--device", "cpu", "--warmup", "1", "--steps", "1", "--rounds",
+                          "2", "--compile-backend", "aot_eager", "--json", str(out), "data.batch_size=4"])  # fmt: skip
+    assert json.loads(out.read_text()) == result
+    assert set(result["images_per_s"]) == {"eager", "dense", "compiled"} and result["compile_s"] > 0
+    assert all(len(r) == 2 and min(r) > 0 for r in result["rounds"].values())
+    assert result["batch"] == 4 and result["side"] == 46
+    assert result["max_abs_diff"] == {"eager": 0.0, "dense": 0.0, "compiled": 0.0}  # aot_eager: the same operators
+    assert result["ahead_equal"] is None  # no streams on a CPU
+    assert "compilation (first compiled call)" in capsys.readouterr().out
+
+
 def test_gpu_profile_runs_on_the_cpu(throughput, tmp_path, tiny_recipe, write_images, capsys):
     gpu_profile = load_script("gpu_profile")
     data = write_images(tmp_path / "data", per_class=8, size=20)
@@ -277,7 +291,7 @@ def test_gpu_profile_runs_on_the_cpu(throughput, tmp_path, tiny_recipe, write_im
     "script, expected",
     [
         ("gpu_throughput.sh", {"c10r18", "c10r18_big", "quality", "profile", "libraries"}),
-        ("gpu_compile.sh", {"checks", "checks_moco", "c10r18", "c10fast", "in20", "r50"}),
+        ("gpu_compile.sh", {"checks", "checks_moco", "render", "c10r18", "c10fast", "in20", "r50"}),
     ],
 )
 def test_gpu_pass_skips_what_it_is_told_and_keeps_its_deadline(tmp_path, script, expected):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import sys
 from pathlib import Path
 
@@ -489,24 +490,28 @@ def test_compiled_step_equals_the_eager_step(sections, per_group):
 
 @pytest.mark.slow
 def test_a_compiled_run_never_recompiles_and_its_checkpoints_move_to_and_from_eager(
-    tmp_path, tiny_recipe, write_images, monkeypatch
+    tmp_path, tiny_recipe, write_images, monkeypatch, caplog
 ):
     """``obow pretrain``'s loop with ``train.compile=step``: two epochs (learning rate changing every step of the
     warm-up, then per epoch), logged and unlogged steps, the last batch of each epoch, and a resumption (a new
     process: Dynamo's caches emptied) compile each graph once: a recompilation is an error here. Its final state
-    is the eager run's, and an epoch-1 checkpoint of either run, continued by the other mode, ends there too."""
+    is the eager run's, and an epoch-1 checkpoint of either run, continued by the other mode, ends there too.
+    The views come from the device pipeline, whose render a ``step`` run compiles too here (as on a GPU), under the
+    same counter: one graph more, never recompiled, the same views (``aot_eager``)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from obow.config import load_config
-    from obow.training import compiled
+    from obow.training import build, compiled
     from obow.training.loop import pretrain
     from obow.weights.checkpoint import load_checkpoint
 
     data = write_images(tmp_path / "data")  # 24 images: 3 steps an epoch
     counter = CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(compiled, "BACKEND", counter)
+    monkeypatch.setattr(build, "COMPILED_RENDER_DEVICES", ("cuda", "cpu"))
     settings = [f"data.path={data}", "optim.epochs=2", "train.log_every=2", "train.keep_every=1", "train.knn_every=0"]
     settings += ["train.tensorboard=false", f"model.arch_options.layers={ONE_BLOCK['layers']}"]
+    settings += ["data.pipeline=device", f"data.cache_dir={tmp_path / 'cache'}"]
 
     def run(out: Path, mode: str) -> dict:
         torch._dynamo.reset()
@@ -514,7 +519,11 @@ def test_a_compiled_run_never_recompiles_and_its_checkpoints_move_to_and_from_ea
             pretrain(load_config(tiny_recipe, [*settings, f"train.compile={mode}"]), out)
         return load_checkpoint(out / "checkpoint.pt")
 
-    finals = {mode: run(tmp_path / mode, mode) for mode in ("step", "off")}
+    with caplog.at_level(logging.INFO, logger="obow"):
+        finals = {mode: run(tmp_path / mode, mode) for mode in ("step", "off")}
+    made = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Data: views made")]
+    assert len(made) == 2 and made[0].startswith("Data: views made on the cpu (compiled) from 24 images")
+    assert made[1].startswith("Data: views made on the cpu from 24 images")
     assert counter.frame_count > 0
     for mode, other in (("off", "step"), ("step", "off")):
         out = tmp_path / f"{mode}_then_{other}"

@@ -17,9 +17,9 @@ from PIL import Image
 
 from obow.config import load_config
 from obow.data import cache as cache_module
-from obow.data.batched_views import BatchedViews
+from obow.data.batched_views import BatchedViews, compiled_render
 from obow.data.cache import build_cache
-from obow.data.device_loader import DeviceLoader
+from obow.data.device_loader import DeviceLoader, made_ahead
 from obow.data.folders import EpochSampler, scan_images
 from obow.training.state import RunError
 
@@ -133,6 +133,90 @@ def test_the_loader_follows_the_sampler_and_holds_no_copy_of_the_cache(tmp_path)
             assert torch.equal(a["image"][key], b["image"][key]), key
     sampler.set_epoch(1)
     assert not torch.equal(list(loader)[0]["image"]["crops"], batches[0]["image"]["crops"])
+
+
+def test_a_loader_with_a_compiled_render_yields_the_eager_loaders_batches(tmp_path):
+    """``train.compile: step`` on a GPU hands the loader a compiled render; here under ``aot_eager`` (the same
+    operators), so the batches must equal the eager loader's bit for bit."""
+    import torch._dynamo
+
+    write_squares(tmp_path / "data" / "a", 8)
+    cache = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=tmp_path / "cache")
+    cfg = load_config("cifar10_fast").views
+    cfg.teacher_resize, cfg.teacher_size, cfg.crop_size, cfg.patch_grid_size, cfg.patch_size = 12, 12, 8, 12, 4
+    cfg.patch_jitter = 2
+    views = BatchedViews(cfg, cache.side)
+    torch._dynamo.reset()
+    render = compiled_render(views, torch.device("cpu"), backend="aot_eager")
+    loaders = [
+        DeviceLoader(cache, EpochSampler(8, 4, seed=1), views, torch.device("cpu"), seed=1, render=r)
+        for r in (None, render)
+    ]
+    assert [loader.compiled for loader in loaders] == [False, True]
+    for loader in loaders:
+        loader.sampler.set_epoch(2)
+    for a, b in zip(*loaders, strict=True):
+        for key in a["image"]:
+            assert torch.equal(a["image"][key], b["image"][key]), key
+
+
+def test_on_a_gpu_each_batch_is_made_on_a_side_stream_one_batch_ahead(monkeypatch):
+    """:func:`made_ahead`'s order of work, with CUDA's streams replaced by recorders: batch ``b + 1`` is queued on
+    the side stream before batch ``b`` is handed to the step; the main stream waits for ``b``'s own event (not for
+    the work queued after it) before the step reads it; every tensor handed over is marked as used by the main
+    stream; nothing is lost or repeated at the end."""
+    log: list[tuple] = []
+    current = ["main"]
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other: Recorder) -> None:
+            log.append((self.name, "waits for stream", other.name))
+
+        def wait_event(self, event: str) -> None:
+            log.append((self.name, "waits for", event))
+
+        def record_event(self) -> str:
+            event = f"event {sum(entry[0] == 'make' for entry in log) - 1}"
+            log.append((self.name, "records", event))
+            return event
+
+    main, side = Recorder("main"), Recorder("side")
+
+    class OnStream:
+        def __init__(self, stream: Recorder) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            current[0] = self.stream.name
+
+        def __exit__(self, *exc) -> None:
+            current[0] = "main"
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: side)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: main)
+    monkeypatch.setattr(torch.cuda, "stream", OnStream)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: log.append(("record", int(t[0]), stream.name)))
+
+    def make(i: int) -> dict:
+        log.append(("make", i, current[0]))
+        return {"image": {"teacher": torch.tensor([i]), "crops": torch.tensor([i])}, "skipped": []}
+
+    for batch in made_ahead(make, range(3), torch.device("cuda")):
+        log.append(("step", int(batch["image"]["teacher"][0]), current[0]))
+    assert log == [
+        ("side", "waits for stream", "main"),
+        ("make", 0, "side"), ("side", "records", "event 0"),
+        ("make", 1, "side"), ("side", "records", "event 1"),
+        ("main", "waits for", "event 0"), *[("record", 0, "main")] * 2, ("step", 0, "main"),
+        ("make", 2, "side"), ("side", "records", "event 2"),
+        ("main", "waits for", "event 1"), *[("record", 1, "main")] * 2, ("step", 1, "main"),
+        ("main", "waits for", "event 2"), *[("record", 2, "main")] * 2, ("step", 2, "main"),
+    ]  # fmt: skip
+    log.clear()
+    assert list(made_ahead(make, [], torch.device("cuda"))) == [] and log == [("side", "waits for stream", "main")]
 
 
 DEVICE_RUN = [

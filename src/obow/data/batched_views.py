@@ -22,8 +22,10 @@ pipelines' distributions.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -96,12 +98,13 @@ class PhotometricParams:
     sigma: Tensor  # [*]: the blur's standard deviation in pixels (meaningful where blur)
     flip: Tensor  # [*] bool
 
-    def to(self, device: torch.device) -> PhotometricParams:
-        return PhotometricParams(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
+    def to(self, device: torch.device, non_blocking: bool = True) -> PhotometricParams:
+        return PhotometricParams(**{k: v.to(device, non_blocking=non_blocking) for k, v in vars(self).items()})
 
     def flatten(self) -> PhotometricParams:
-        """The fields with their two leading dimensions ``[B, m]`` merged into one."""
-        return PhotometricParams(**{k: v.flatten(0, 1) for k, v in vars(self).items()})
+        """The fields with their two leading dimensions ``[B, m]`` merged into one (``fields``, not ``vars``: traced
+        in a compiled render, where torch 2.11's Dynamo cannot read an object's ``__dict__``)."""
+        return PhotometricParams(**{f.name: getattr(self, f.name).flatten(0, 1) for f in dataclasses.fields(self)})
 
     def __getitem__(self, rows: slice) -> PhotometricParams:
         return PhotometricParams(**{k: v[rows] for k, v in vars(self).items()})
@@ -267,6 +270,35 @@ def photometric(x: Tensor, p: PhotometricParams, max_sigma: float) -> Tensor:
     return select(device.flip, x.flip(-1), x)
 
 
+def color_jitter_dense(x: Tensor, factors: Tensor, order: Tensor, apply: Tensor) -> Tensor:
+    """:func:`color_jitter` with shapes that never depend on the draw: in each round every view goes through the
+    blend (with ``f = 1``, which leaves a view as it is, exactly, where it does not blend) and through the hue
+    rotation (kept by ``torch.where`` only where it rotates). The same numbers, bit for bit in eager mode (every
+    operation is per view), with more arithmetic and no host decision: the form a compiled render traces into
+    one graph. ``factors``, ``order`` and ``apply`` on ``x``'s device."""
+    for r in range(4):
+        op = torch.where(apply, order[:, r], -1)
+        blends = (op >= 0) & (op != HUE)
+        f = torch.where(blends, factors.gather(1, op.clamp(0, 2).unsqueeze(1)).squeeze(1), 1.0)
+        weights = torch.stack([f, 1 - f, (op == SATURATION).to(f.dtype), (op == CONTRAST).to(f.dtype)], dim=1)
+        x = blend(x, weights)
+        x = torch.where((op == HUE).view(-1, 1, 1, 1), adjust_hue(x, factors[:, HUE]), x)
+    return x
+
+
+def photometric_dense(x: Tensor, p: PhotometricParams, max_sigma: float) -> Tensor:
+    """:func:`photometric` with every view through every operation, each kept where its view draws it
+    (:func:`color_jitter_dense`; the blur computed for all views): the same views, and ``p`` on ``x``'s device."""
+
+    def select(mask: Tensor, a: Tensor, b: Tensor) -> Tensor:
+        return torch.where(mask.view(-1, 1, 1, 1), a, b)
+
+    x = color_jitter_dense(x, p.factors, p.order, p.jitter)
+    x = select(p.gray, grayscale(x).expand_as(x), x)
+    x = select(p.blur, gaussian_blur(x, p.sigma, max_sigma), x)
+    return select(p.flip, x.flip(-1), x)
+
+
 def cut_patches(view: Tensor, keep: Tensor, offsets: Tensor, patch_size: int, jitter: int) -> Tensor:
     """The kept cells of the 3x3 patch grid of each view ``[n, 3, G, G]`` -> ``[n, P, 3, p, p]``: cell ``(i, j)``
     starts at ``(i * step + dy, j * step + dx)`` with ``step = (G - p - jitter) // 2`` (as
@@ -299,6 +331,9 @@ class GroupParams:
     def __getitem__(self, rows: slice) -> GroupParams:
         return GroupParams(self.boxes[rows], self.photo[rows])
 
+    def to(self, device: torch.device, non_blocking: bool = True) -> GroupParams:
+        return GroupParams(self.boxes.to(device, non_blocking=non_blocking), self.photo.to(device, non_blocking))
+
 
 @dataclass
 class ViewParams:
@@ -314,6 +349,11 @@ class ViewParams:
 
     def __getitem__(self, rows: slice) -> ViewParams:
         return ViewParams(*(None if v is None else v[rows] for v in vars(self).values()))
+
+    def to(self, device: torch.device, non_blocking: bool = True) -> ViewParams:
+        """The parameters on ``device`` (copies made without waiting on the host, where the device allows)."""
+        moved = (None if v is None else v.to(device, non_blocking=non_blocking) for v in vars(self).values())
+        return ViewParams(*moved)
 
 
 class BatchedViews:
@@ -352,20 +392,25 @@ class BatchedViews:
             keep, offsets = draw_patch_cells(batch, cfg.num_patches, cfg.patch_jitter, generator)
         return ViewParams(flip, crops, grid, keep, offsets)
 
-    def render(self, images: Tensor, params: ViewParams) -> dict[str, Tensor]:
-        """The views of ``images`` ``[B, 3, side, side]`` under ``params`` (of the same ``B`` images)."""
+    def render(self, images: Tensor, params: ViewParams, dense: bool = False) -> dict[str, Tensor]:
+        """The views of ``images`` ``[B, 3, side, side]`` under ``params`` (of the same ``B`` images).
+
+        ``dense``: every view through every photometric operation, each kept where drawn
+        (:func:`photometric_dense`), with ``params`` on the images' device: the same views with shapes that never
+        depend on the draw, as :func:`compiled_render` traces them; otherwise the operations run on the views
+        that draw them, picked on the host (less arithmetic in eager mode)."""
         cfg = self.cfg
         if self.mocov2:
-            both = self._render_group(images, params.crops, cfg.teacher_size)
+            both = self._render_group(images, params.crops, cfg.teacher_size, dense)
             return {"teacher": both[:, 0], "crops": both[:, 1:]}
         box = self._teacher_box.expand(images.shape[0], 1, 4)
         teacher = resized_crops(images, box, cfg.teacher_size)[:, 0] / 255.0
         flip = params.teacher_flip.to(images.device, non_blocking=True).view(-1, 1, 1, 1)
         views = {"teacher": self._normalize(torch.where(flip, teacher.flip(-1), teacher))}
         if params.crops is not None:
-            views["crops"] = self._render_group(images, params.crops, cfg.crop_size)
+            views["crops"] = self._render_group(images, params.crops, cfg.crop_size, dense)
         if params.grid is not None:
-            grid = self._render_group(images, params.grid, cfg.patch_grid_size)[:, 0]
+            grid = self._render_group(images, params.grid, cfg.patch_grid_size, dense)[:, 0]
             patches = cut_patches(grid, params.patch_keep, params.patch_offsets, cfg.patch_size, cfg.patch_jitter)
             views["patches"] = patches.contiguous()
         return views
@@ -377,18 +422,41 @@ class BatchedViews:
         boxes = random_resized_boxes(batch * m, self.side, scale, generator).view(batch, m, 4)
         return GroupParams(boxes, draw_photometric((batch, m), self.cfg, generator, blur))
 
-    def _render_group(self, images: Tensor, group: GroupParams, size: int) -> Tensor:
+    def _render_group(self, images: Tensor, group: GroupParams, size: int, dense: bool = False) -> Tensor:
         """The group's augmented, normalised crops of ``size`` px: ``[B, m, 3, size, size]``."""
         batch, m = group.boxes.shape[:2]
         crops = resized_crops(images, group.boxes, size).flatten(0, 1) / 255.0
-        crops = photometric(crops, group.photo.flatten(), self.cfg.blur_sigma[1])
+        crops = (photometric_dense if dense else photometric)(crops, group.photo.flatten(), self.cfg.blur_sigma[1])
         return self._normalize(crops).view(batch, m, 3, size, size)
 
     def _normalize(self, x: Tensor) -> Tensor:
-        where = (x.device, x.dtype)
+        mean, std = self._mean_std_on(x.device, x.dtype)
+        return (x - mean) / std
+
+    def _mean_std_on(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        where = (torch.device(device), dtype)
         if where not in self._mean_std:
             self._mean_std[where] = tuple(
-                torch.tensor(v, dtype=x.dtype).view(1, 3, 1, 1).to(x.device) for v in (self.cfg.mean, self.cfg.std)
+                torch.tensor(v, dtype=dtype).view(1, 3, 1, 1).to(device) for v in (self.cfg.mean, self.cfg.std)
             )
-        mean, std = self._mean_std[where]
-        return (x - mean) / std
+        return self._mean_std[where]
+
+
+def compiled_render(
+    views: BatchedViews, device: torch.device, backend: str = "inductor", **compile_kwargs
+) -> Callable[[Tensor, ViewParams], dict[str, Tensor]]:
+    """``views.render`` as one compiled graph (``fullgraph``, static shapes): ``render(images, params)`` moves
+    ``params`` to ``device`` and renders densely (:meth:`BatchedViews.render` with ``dense``), so that nothing in
+    the graph depends on the draw and a batch of the same size never recompiles. The random parameters are still
+    drawn on the host by :meth:`BatchedViews.draw`: a compiled render makes the views an eager one makes, to
+    float32 rounding (the fused kernels round in their own order). ``data.pipeline: device`` uses it with
+    ``train.compile: step`` (:class:`obow.data.device_loader.DeviceLoader`)."""
+    views._mean_std_on(device, torch.float32)  # made here, so that the traced graph only reads it
+    graph = torch.compile(
+        functools.partial(views.render, dense=True), backend=backend, fullgraph=True, dynamic=False, **compile_kwargs
+    )
+
+    def render(images: Tensor, params: ViewParams) -> dict[str, Tensor]:
+        return graph(images, params.to(device))
+
+    return render

@@ -10,16 +10,21 @@ The order of the images is the :class:`~obow.data.folders.EpochSampler`'s, and t
 batch ``b`` of epoch ``e`` are drawn from a generator seeded with ``sample_seed(seed, e, b * G)``: a resumed
 epoch sees the views an uninterrupted one saw, and every process of a multi-GPU run draws the parameters of the
 whole global batch and renders its own share, so its views are those of a one-GPU run.
+
+On a GPU each batch is made on a side stream one batch ahead (:func:`made_ahead`): while the step of batch ``b``
+runs on the main stream, the views of ``b + 1`` are rendered beside it. ``render`` may be a compiled render
+(:func:`obow.data.batched_views.compiled_render`, with ``train.compile: step`` on a GPU): the same views to
+float32 rounding, a few kernels instead of hundreds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
-from obow.data.batched_views import BatchedViews
+from obow.data.batched_views import BatchedViews, ViewParams
 from obow.data.cache import ImageCache
 from obow.data.folders import EpochSampler, sample_seed
 
@@ -31,13 +36,21 @@ class DeviceLoader:
     """Batches of ``views`` of ``cache``'s images in ``sampler``'s order, made on ``device``."""
 
     def __init__(
-        self, cache: ImageCache, sampler: EpochSampler, views: BatchedViews, device: torch.device, seed: int
+        self,
+        cache: ImageCache,
+        sampler: EpochSampler,
+        views: BatchedViews,
+        device: torch.device,
+        seed: int,
+        render: Callable[[torch.Tensor, ViewParams], dict[str, torch.Tensor]] | None = None,
     ) -> None:
         self.cache = cache
         self.sampler = sampler
         self.views = views
         self.device = device
         self.seed = seed
+        self.render = render or views.render  # views.render, or its compiled form
+        self.compiled = render is not None
         self.resident: torch.Tensor | None = None  # the whole cache on the device, when it is held there
         if device.type == "cuda" and cache.nbytes <= GPU_CACHE_FRACTION * torch.cuda.mem_get_info(device)[0]:
             self.resident = torch.from_numpy(cache.pixels).to(device)
@@ -55,15 +68,56 @@ class DeviceLoader:
         return max(0, self.sampler.batches_per_epoch - self.sampler.start_batch)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        batches = self.sampler.batches()
+        if self.device.type == "cuda":
+            return made_ahead(self._make, batches, self.device)
+        return (self._make(batch) for batch in batches)
+
+    def _make(self, planned: tuple[int, list[int], int, int]) -> dict[str, Any]:
+        """The views of one batch as the sampler plans it: ``(batch, indices, offset, size)``."""
+        batch, indices, offset, size = planned
         sampler = self.sampler
-        for batch, indices, offset, size in sampler.batches():
-            generator = torch.Generator().manual_seed(
-                sample_seed(self.seed, sampler.epoch, batch * sampler.global_batch_size)
-            )
-            params = self.views.draw(size, generator)[offset : offset + len(indices)]
-            index = torch.tensor(indices)
-            if self.resident is not None:
-                images = self.resident[index.to(self.resident.device)]
-            else:
-                images = self.cache.batch(index).pin_memory() if self.device.type == "cuda" else self.cache.batch(index)
-            yield {"image": self.views.render(images.to(self.device, non_blocking=True), params), "skipped": []}
+        seed = sample_seed(self.seed, sampler.epoch, batch * sampler.global_batch_size)
+        generator = torch.Generator().manual_seed(seed)
+        params = self.views.draw(size, generator)[offset : offset + len(indices)]
+        index = torch.tensor(indices)
+        if self.resident is not None:
+            images = self.resident[index.to(self.resident.device)]
+        else:
+            images = self.cache.batch(index).pin_memory() if self.device.type == "cuda" else self.cache.batch(index)
+        return {"image": self.render(images.to(self.device, non_blocking=True), params), "skipped": []}
+
+
+T = TypeVar("T")
+
+
+def made_ahead(
+    make: Callable[[T], dict[str, Any]], planned: Iterable[T], device: torch.device
+) -> Iterator[dict[str, Any]]:
+    """``make(p)`` for each ``p`` of ``planned``, each made on a side CUDA stream one batch ahead: the next batch's
+    work is queued on the side stream before the current batch is handed over, so that it runs while the training
+    step of the current one runs on the main stream. A batch is handed over once the main stream waits for the
+    event recorded after its own work on the side stream (not for the next batch's), and with each of its tensors
+    marked as used on the main stream (``record_stream``), so that the allocator does not give their memory to
+    the side stream's next batches while the step still reads them. One batch of views more is held on the
+    device; nothing else changes: the same kernels make the same views."""
+    side = torch.cuda.Stream(device)
+    main = torch.cuda.current_stream(device)
+    side.wait_stream(main)  # what the side stream reads (a resident copy of the cache) was written on the main one
+    pending: tuple[dict[str, Any], torch.cuda.Event] | None = None
+    for item in planned:
+        with torch.cuda.stream(side):
+            made = make(item)
+        done = side.record_event()
+        if pending is not None:
+            yield _handed_over(*pending, main)
+        pending = made, done
+    if pending is not None:
+        yield _handed_over(*pending, main)
+
+
+def _handed_over(batch: dict[str, Any], done: torch.cuda.Event, main: torch.cuda.Stream) -> dict[str, Any]:
+    main.wait_event(done)
+    for tensor in batch["image"].values():
+        tensor.record_stream(main)
+    return batch

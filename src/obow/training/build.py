@@ -16,11 +16,13 @@ from torch import nn
 
 from obow import distributed as D
 from obow.config import Config
+from obow.data.batched_views import compiled_render
 from obow.data.cache import ImageCache, build_cache
 from obow.data.device_loader import DeviceLoader
 from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loader, scan_images
 from obow.methods import build_batched_views, build_method, build_views, views_side
 from obow.methods.base import Method
+from obow.training import compiled as compiled_module
 from obow.training.logger import log_main
 from obow.training.precision import check_precision
 from obow.training.state import RunError
@@ -56,6 +58,13 @@ def setup_process(cfg: Config) -> torch.device:
     return device
 
 
+#: The devices where ``train.compile: step`` compiles the device pipeline's render as well
+#: (:func:`obow.data.batched_views.compiled_render`). A GPU, where the eager render launches its few hundred
+#: small kernels one by one (its gain there waits for a GPU: ``benchmarks/gpu_compile.sh``'s ``render`` part);
+#: not a CPU, where the eager render measured faster (docs/results/render_cpu.md).
+COMPILED_RENDER_DEVICES: tuple[str, ...] = ("cuda",)
+
+
 def build_data(
     cfg: Config, device: torch.device, images: ImageList | None = None, *, pipeline: str
 ) -> tuple[ImageList, EpochSampler, Iterable[dict[str, Any]]]:
@@ -74,9 +83,15 @@ def build_data(
         images = cache.images
     sampler = EpochSampler(len(images), local_batch, seed=cfg.train.seed, rank=D.rank(), world_size=world)
     if pipeline == "device":
-        loader = DeviceLoader(cache, sampler, build_batched_views(cfg, cache.side), device, cfg.train.seed)
+        views = build_batched_views(cfg, cache.side)
+        render = None
+        if cfg.train.compile == "step" and device.type in COMPILED_RENDER_DEVICES:
+            render = compiled_render(views, device, backend=compiled_module.BACKEND)
+        loader = DeviceLoader(cache, sampler, views, device, cfg.train.seed, render)
         held = "; held on the GPU" if loader.where == "on the GPU" else ""
-        log_main("Data: views made on the %s from %s%s", device.type, cache.describe(), held)
+        notes = ["compiled"] * (render is not None) + ["one batch ahead on a side stream"] * (device.type == "cuda")
+        how = f" ({'; '.join(notes)})" if notes else ""
+        log_main("Data: views made on the %s%s from %s%s", device.type, how, cache.describe(), held)
         return images, sampler, loader
     loader = build_loader(
         ImageDataset(images, build_views(cfg)),

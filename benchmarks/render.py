@@ -1,0 +1,143 @@
+"""The device pipeline's render, eager or compiled: which makes a recipe's views faster on this device?
+
+Times :class:`obow.data.batched_views.BatchedViews` rendering every view of a batch (teacher view, crops,
+patches; MoCo v2's two crops with ``model.method=mocov2``) from decoded ``uint8`` images already on ``--device``,
+the random parameters drawn on the host each time as a run draws them, three ways:
+
+* ``eager``: the render a run uses by default: each photometric operation on the views that draw it, picked on
+  the host (fewer operations, a few hundred kernels);
+* ``dense``: eager, every view through every operation, kept where drawn (what a compiled render traces);
+* ``compiled``: ``dense`` compiled by Inductor into one graph (:func:`obow.data.batched_views.compiled_render`,
+  what ``train.compile: step`` uses on a GPU); its first call, the compilation, is timed apart.
+
+Alternating rounds of ``--steps`` renders after ``--warmup``; prints the median source images/s of each and writes
+``--json``. The images are random pixels of the recipe's cache size (the render's work does not depend on them).
+Checked on the way, on the same parameters: the largest difference of the dense and compiled views from the eager
+ones (``max_abs_diff``; 0 for ``dense``, float32 rounding for Inductor's fused kernels), and whether the views made
+one batch ahead on a side stream (:func:`obow.data.device_loader.made_ahead`, what a GPU run does) are the eager
+ones bit for bit (``ahead_equal``; ``null`` on a CPU, which has no streams).
+
+    python benchmarks/render.py --config cifar10_fast --device cpu --rounds 3
+    python benchmarks/render.py --config cifar10_resnet18 --device cuda data.batch_size=512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from obow.config import load_config
+from obow.data.batched_views import compiled_render
+from obow.data.device_loader import made_ahead
+from obow.methods import build_batched_views, views_side
+
+MODES = ("eager", "dense", "compiled")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="timed renders per mode and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads on a CPU (0: torch's default)")
+    parser.add_argument("--compile-backend", default="inductor", help="aot_eager: the dry run's quick trace")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. data.batch_size=512")
+    return parser
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, args.overrides)
+    device = torch.device(args.device)
+    side = cfg.data.cache_size or views_side(cfg.views)
+    batch = cfg.data.batch_size
+    views = build_batched_views(cfg, side)
+    images = torch.randint(0, 256, (batch, 3, side, side), dtype=torch.uint8).to(device)
+    generator = torch.Generator().manual_seed(0)
+    renders = {
+        "eager": views.render,
+        "dense": lambda im, p: views.render(im, p.to(device), dense=True),
+    }
+    compile_s = None
+    if "compiled" in args.modes:
+        compiled = compiled_render(views, device, backend=args.compile_backend)
+        start = time.perf_counter()
+        compiled(images, views.draw(batch, generator))
+        synchronize(device)
+        compile_s = time.perf_counter() - start
+        renders["compiled"] = compiled
+    params = views.draw(batch, generator)
+    reference = views.render(images, params)
+    max_abs_diff = {
+        mode: max(float((renders[mode](images, params)[k] - v).abs().max()) for k, v in reference.items())
+        for mode in args.modes
+    }
+    ahead_equal = None
+    if device.type == "cuda":
+        draws = [views.draw(batch, generator) for _ in range(4)]
+        ahead = made_ahead(lambda p: {"image": views.render(images, p)}, draws, device)
+        ahead_equal = all(
+            torch.equal(made["image"][k], v)
+            for made, p in zip(ahead, draws, strict=True)
+            for k, v in views.render(images, p).items()
+        )
+    for mode in args.modes:
+        for _ in range(args.warmup):
+            renders[mode](images, views.draw(batch, generator))
+    synchronize(device)
+    rounds: dict[str, list[float]] = {mode: [] for mode in args.modes}
+    for _ in range(args.rounds):
+        for mode in args.modes:
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                renders[mode](images, views.draw(batch, generator))
+            synchronize(device)
+            rounds[mode].append(batch * args.steps / (time.perf_counter() - start))
+    result = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "batch": batch,
+        "side": side,
+        "compile_backend": args.compile_backend,
+        "compile_s": compile_s,
+        "max_abs_diff": max_abs_diff,
+        "ahead_equal": ahead_equal,
+        "images_per_s": {mode: statistics.median(r) for mode, r in rounds.items()},
+        "rounds": rounds,
+    }
+    print(f"render of {args.config} ({batch} images of {side} px) on {result['device']}, {args.rounds} alternating "
+          f"rounds of {args.steps} renders; source images/s, median:")  # fmt: skip
+    for mode, rate in result["images_per_s"].items():
+        print(f"  {mode:9s} {rate:10.0f}  (rounds: {', '.join(f'{r:.0f}' for r in rounds[mode])})")
+    if compile_s is not None:
+        print(f"  compilation (first compiled call): {compile_s:.1f} s")
+    print(f"  largest difference from the eager views: {max_abs_diff}")
+    print(f"  made one batch ahead on a side stream, equal to the eager views: {ahead_equal}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -33,6 +33,16 @@ def write_squares(folder, n: int, side: int = 12, seed: int = 0) -> list[np.ndar
     return pixels
 
 
+def small_cache_and_views(tmp_path, n: int):
+    """A cache of ``n`` random 12 px squares and ``cifar10_fast``'s views scaled down to them."""
+    write_squares(tmp_path / "data" / "a", n)
+    cache = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=tmp_path / "cache")
+    cfg = load_config("cifar10_fast").views
+    cfg.teacher_resize, cfg.teacher_size, cfg.crop_size, cfg.patch_grid_size, cfg.patch_size = 12, 12, 8, 12, 4
+    cfg.patch_jitter = 2
+    return cache, cfg
+
+
 def test_the_cache_holds_the_decoded_pixels_and_is_read_back_without_decoding(tmp_path, monkeypatch):
     pixels = write_squares(tmp_path / "data" / "a", 6)
     images = scan_images(str(tmp_path / "data"), labels="folders")
@@ -114,11 +124,7 @@ def test_a_cache_too_big_for_memory_is_memory_mapped(tmp_path, monkeypatch):
 
 
 def test_the_loader_follows_the_sampler_and_holds_no_copy_of_the_cache(tmp_path):
-    write_squares(tmp_path / "data" / "a", 10)
-    cache = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=tmp_path / "cache")
-    cfg = load_config("cifar10_fast").views
-    cfg.teacher_resize, cfg.teacher_size, cfg.crop_size, cfg.patch_grid_size, cfg.patch_size = 12, 12, 8, 12, 4
-    cfg.patch_jitter = 2
+    cache, cfg = small_cache_and_views(tmp_path, 10)
     sampler = EpochSampler(10, 4, seed=3)
     loader = DeviceLoader(cache, sampler, BatchedViews(cfg, cache.side), torch.device("cpu"), seed=3)
     assert loader.resident is not None and loader.resident.data_ptr() == cache.pixels.ctypes.data  # shared
@@ -140,11 +146,7 @@ def test_a_loader_with_a_compiled_render_yields_the_eager_loaders_batches(tmp_pa
     operators), so the batches must equal the eager loader's bit for bit."""
     import torch._dynamo
 
-    write_squares(tmp_path / "data" / "a", 8)
-    cache = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=tmp_path / "cache")
-    cfg = load_config("cifar10_fast").views
-    cfg.teacher_resize, cfg.teacher_size, cfg.crop_size, cfg.patch_grid_size, cfg.patch_size = 12, 12, 8, 12, 4
-    cfg.patch_jitter = 2
+    cache, cfg = small_cache_and_views(tmp_path, 8)
     views = BatchedViews(cfg, cache.side)
     torch._dynamo.reset()
     render = compiled_render(views, torch.device("cpu"), backend="aot_eager")
@@ -357,11 +359,7 @@ def test_an_unreadable_folder_on_the_device_pipeline_is_one_line_from_the_comman
 def test_each_process_renders_its_share_of_the_single_process_batch(tmp_path):
     """Several GPUs: each rank draws the global batch's parameters and renders its own rows, so the ranks'
     batches side by side are the one-process batch."""
-    write_squares(tmp_path / "data" / "a", 12)
-    cache = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=tmp_path / "cache")
-    cfg = load_config("cifar10_fast").views
-    cfg.teacher_resize, cfg.teacher_size, cfg.crop_size, cfg.patch_grid_size, cfg.patch_size = 12, 12, 8, 12, 4
-    cfg.patch_jitter = 2
+    cache, cfg = small_cache_and_views(tmp_path, 12)
     views = BatchedViews(cfg, cache.side)
 
     def batches(rank: int, world: int, batch: int) -> list[dict]:

@@ -14,6 +14,8 @@
 # linear, few-shot); at DEADLINE-30 s the table gets SIGTERM and stops at a checkpoint (what finished is kept).
 # What comes back in $OUT: summary.txt, all.log, runs.tgz (each run's result.json, log.jsonl, config.yaml, and
 # the table's plan.json / table.json / table.md).
+# Dry run on a CPU (2026-11-27, 51 s; a tiny CIFAR-10 of 40 images per split): C10=DIR OUT=DIR EPOCHS=1
+#   RECIPE=cifar10_fast EXTRA="data.batch_size=8 train.device=cpu" bash docs/results/tables/cifar10-mocov2-gpu/gpu.sh
 set -u
 cd "$(dirname "$0")/../../../.."
 C10=${C10:?set C10 to CIFAR-10 class folders (train/, test/)}

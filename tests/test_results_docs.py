@@ -85,11 +85,13 @@ def test_sync_replaces_a_stale_block_and_leaves_the_rest():
         sync.synced("<!-- table no-such-table -->\nx\n<!-- /table no-such-table -->")
 
 
-# The README's headline verdict: its rows, and the table and score of each column (dataset, score).
+# The README's headline verdict: its rows (each a table row's label, and the suffix of the tables it is read from:
+# the shuffled-batch-norm re-runs live in tables of their own), and the table and score of each column.
 VERDICT_ROWS = {
-    "random init (same network)": None,  # the table's random_init entry
-    "OBoW (full)": "OBoW (full)",
-    "MoCo v2 (same augmentations as OBoW)": "MoCo v2 (our aug.)",
+    "random init (same network)": (None, ""),  # the table's random_init entry
+    "OBoW (full)": ("OBoW (full)", ""),
+    "MoCo v2 (same augmentations as OBoW)": ("MoCo v2 (our aug.)", ""),
+    "MoCo v2 (same augmentations, shuffled batch norm)": ("MoCo v2 (our aug.)", "-shufbn"),
 }
 VERDICT_COLUMNS = {
     "CIFAR-10 kNN": ("cifar10-mocov2", "knn"),
@@ -119,14 +121,10 @@ def test_the_readme_verdict_is_the_committed_tables():
     header, *body = _markdown_table((ROOT / "README.md").read_text(), "features")
     assert header[1:] == list(VERDICT_COLUMNS)
     assert [row[0] for row in body] == list(VERDICT_ROWS)
-    tables = {
-        name: json.loads((ROOT / "docs/results/tables" / name / "table.json").read_text())
-        for name, _ in VERDICT_COLUMNS.values()
-    }
     for row in body:
-        label = VERDICT_ROWS[row[0]]
+        label, suffix = VERDICT_ROWS[row[0]]
         for cell, (name, score) in zip(row[1:], VERDICT_COLUMNS.values(), strict=True):
-            table = tables[name]
+            table = json.loads((ROOT / "docs/results/tables" / (name + suffix) / "table.json").read_text())
             entry = table["random_init"] if label is None else next(r for r in table["rows"] if r["label"] == label)
             assert len(entry["runs"]) == 2  # the README says two seeds
             expected = f"{entry['mean'][score]:.2f} ± {entry['std'][score]:.2f}"

@@ -215,6 +215,16 @@ def adjust_hue(x: Tensor, shift: Tensor) -> Tensor:
 BRIGHTNESS, CONTRAST, SATURATION, HUE = range(4)
 
 
+def blend_weights(f: Tensor, op: Tensor) -> Tensor:
+    """:func:`blend`'s per-view weights ``[n, 4]`` for factors ``f`` and operations ``op`` of one jitter round."""
+    return torch.stack([f, 1 - f, (op == SATURATION).to(f.dtype), (op == CONTRAST).to(f.dtype)], dim=1)
+
+
+def select_views(mask: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``a`` where a view's ``mask`` is set, else ``b`` (views ``[n, c, h, w]``, ``mask`` ``[n]``)."""
+    return torch.where(mask.view(-1, 1, 1, 1), a, b)
+
+
 def color_jitter(x: Tensor, factors: Tensor, order: Tensor, apply: Tensor) -> Tensor:
     """torchvision's ColorJitter with each view's own factors and order, on the views where ``apply``: four
     rounds, in round ``r`` every view applies its operation ``order[:, r]``: the views that brighten, change the
@@ -228,8 +238,7 @@ def color_jitter(x: Tensor, factors: Tensor, order: Tensor, apply: Tensor) -> Te
         blends = (op >= 0) & (op != HUE)
         if bool(blends.any()):
             f = torch.where(blends, factors[views, op.clamp(0, 2)], 1.0)
-            weights = torch.stack([f, 1 - f, (op == SATURATION).float(), (op == CONTRAST).float()], dim=1)
-            x, owned = blend(x, weights), True
+            x, owned = blend(x, blend_weights(f, op)), True
         rows = torch.nonzero(op == HUE).flatten()
         if len(rows):
             x, owned = (x if owned else x.clone()), True
@@ -261,13 +270,10 @@ def photometric(x: Tensor, p: PhotometricParams, max_sigma: float) -> Tensor:
     x = color_jitter(x, p.factors, p.order, p.jitter)
     device = p.to(x.device)
 
-    def select(mask: Tensor, a: Tensor, b: Tensor) -> Tensor:
-        return torch.where(mask.view(-1, 1, 1, 1), a, b)
-
-    x = select(device.gray, grayscale(x).expand_as(x), x)
+    x = select_views(device.gray, grayscale(x).expand_as(x), x)
     if bool(p.blur.any()):  # decided on the CPU: no device synchronisation
-        x = select(device.blur, gaussian_blur(x, device.sigma, max_sigma), x)
-    return select(device.flip, x.flip(-1), x)
+        x = select_views(device.blur, gaussian_blur(x, device.sigma, max_sigma), x)
+    return select_views(device.flip, x.flip(-1), x)
 
 
 def color_jitter_dense(x: Tensor, factors: Tensor, order: Tensor, apply: Tensor) -> Tensor:
@@ -280,8 +286,7 @@ def color_jitter_dense(x: Tensor, factors: Tensor, order: Tensor, apply: Tensor)
         op = torch.where(apply, order[:, r], -1)
         blends = (op >= 0) & (op != HUE)
         f = torch.where(blends, factors.gather(1, op.clamp(0, 2).unsqueeze(1)).squeeze(1), 1.0)
-        weights = torch.stack([f, 1 - f, (op == SATURATION).to(f.dtype), (op == CONTRAST).to(f.dtype)], dim=1)
-        x = blend(x, weights)
+        x = blend(x, blend_weights(f, op))
         x = torch.where((op == HUE).view(-1, 1, 1, 1), adjust_hue(x, factors[:, HUE]), x)
     return x
 
@@ -290,13 +295,10 @@ def photometric_dense(x: Tensor, p: PhotometricParams, max_sigma: float) -> Tens
     """:func:`photometric` with every view through every operation, each kept where its view draws it
     (:func:`color_jitter_dense`; the blur computed for all views): the same views, and ``p`` on ``x``'s device."""
 
-    def select(mask: Tensor, a: Tensor, b: Tensor) -> Tensor:
-        return torch.where(mask.view(-1, 1, 1, 1), a, b)
-
     x = color_jitter_dense(x, p.factors, p.order, p.jitter)
-    x = select(p.gray, grayscale(x).expand_as(x), x)
-    x = select(p.blur, gaussian_blur(x, p.sigma, max_sigma), x)
-    return select(p.flip, x.flip(-1), x)
+    x = select_views(p.gray, grayscale(x).expand_as(x), x)
+    x = select_views(p.blur, gaussian_blur(x, p.sigma, max_sigma), x)
+    return select_views(p.flip, x.flip(-1), x)
 
 
 def cut_patches(view: Tensor, keep: Tensor, offsets: Tensor, patch_size: int, jitter: int) -> Tensor:

@@ -278,6 +278,20 @@ def test_render_times_the_eager_dense_and_compiled_renders_in_the_same_rounds(tm
     assert "compilation (first compiled call)" in capsys.readouterr().out
 
 
+def test_monitor_times_reading_and_keeping_monitors_on_the_same_backbone(tmp_path, tiny_recipe, write_images):
+    monitor = load_script("monitor")
+    train, val = write_images(tmp_path / "train", per_class=5, size=28), write_images(tmp_path / "val", per_class=3)
+    out = tmp_path / "monitor.json"
+    result = monitor.main(["--config", str(tiny_recipe), "--train", str(train), "--val", str(val), "--device", "cpu",
+                           "--rounds", "2", "--json", str(out), "train.knn_k=3"])  # fmt: skip
+    assert json.loads(out.read_text()) == result
+    assert result["images"] == 16 and result["same_numbers"] is True
+    assert all(len(r) == 2 and min(r) > 0 for r in result["rounds"].values())
+    assert result["keeping_first_s"] > 0 and result["speedup"] == round(
+        result["reading_s"] / result["keeping_later_s"], 2
+    )
+
+
 def test_gpu_profile_runs_on_the_cpu(throughput, tmp_path, tiny_recipe, write_images, capsys):
     gpu_profile = load_script("gpu_profile")
     data = write_images(tmp_path / "data", per_class=8, size=20)

@@ -135,7 +135,7 @@ def leaves(obj, prefix: str = "") -> dict[str, object]:
 
 #: What may differ between a resumed run and an uninterrupted one: wall times, and the one setting the tests
 #: change on resuming (a resumable one).
-MAY_DIFFER = ("/epoch_time_s", "/epoch_progress/seconds", "/config/train/checkpoint_minutes")
+MAY_DIFFER = ("/epoch_time_s", "/monitor_time_s", "/epoch_progress/seconds", "/config/train/checkpoint_minutes")
 
 
 def assert_same_final_state(done: dict, whole: dict) -> None:

@@ -14,7 +14,7 @@ from PIL import Image
 
 from obow.config import ViewsConfig, from_dict
 from obow.data.folders import ImageDataset, ImageList, scan_images
-from obow.data.transforms import eval_transform
+from obow.data.transforms import eval_pixels_transform, eval_transform
 
 #: The recipe settings that decide what evaluation images look like.
 VIEW_KEYS = ("teacher_resize", "teacher_size", "mean", "std")
@@ -38,9 +38,12 @@ def views_from_dict(values: dict[str, Any] | None, resize: int | None = None, si
     return from_dict(ViewsConfig, values)
 
 
-def eval_dataset(root: str | Path | ImageList, views: Any, labels: str = "folders") -> ImageDataset:
+def eval_dataset(
+    root: str | Path | ImageList, views: Any, labels: str = "folders", *, pixels: bool = False
+) -> ImageDataset:
     """The images under ``root`` (or an already scanned :class:`~obow.data.folders.ImageList`) through the teacher's
-    deterministic view: resize, centre crop, normalise.
+    deterministic view: resize, centre crop, normalise (``pixels=True``: not normalised, ``uint8`` tensors, for
+    :func:`obow.evaluate.features.decode_set`).
 
     ``views`` is a :class:`~obow.config.ViewsConfig` or anything with its ``teacher_resize``,
     ``teacher_size``, ``mean`` and ``std``. With ``labels="folders"`` the immediate sub-folders are the
@@ -50,8 +53,9 @@ def eval_dataset(root: str | Path | ImageList, views: Any, labels: str = "folder
         images = root
     else:
         images = scan_labelled(root) if labels == "folders" else scan_images(root, labels=labels)
-    transform = eval_transform(views.teacher_resize, views.teacher_size, views.mean, views.std)
-    return ImageDataset(images, transform)
+    if pixels:
+        return ImageDataset(images, eval_pixels_transform(views.teacher_resize, views.teacher_size))
+    return ImageDataset(images, eval_transform(views.teacher_resize, views.teacher_size, views.mean, views.std))
 
 
 def scan_labelled(root: str | Path) -> ImageList:

@@ -192,6 +192,19 @@ def eval_transform(resize: int, size: int, mean: Sequence[float], std: Sequence[
     return v2.Compose([v2.Resize(resize), v2.CenterCrop(size), *_to_normalized_tensor(mean, std)])
 
 
+def eval_pixels_transform(resize: int, size: int) -> v2.Compose:
+    """:func:`eval_transform` before its normalisation: the view as a ``uint8`` tensor ``[3, size, size]``, to be
+    kept decoded and normalised later, a batch at a time, by :func:`normalize_pixels`."""
+    return v2.Compose([v2.Resize(resize), v2.CenterCrop(size), v2.ToImage(), v2.ToPureTensor()])
+
+
+def normalize_pixels(pixels: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """``uint8`` images ``[..., 3, H, W]`` as :func:`eval_transform` ends them: float in [0, 1], then the recipe's
+    mean and std (the same torchvision functions, so the result equals :func:`eval_transform`'s bit for bit)."""
+    scaled = v2.functional.to_dtype(pixels, torch.float32, scale=True)
+    return v2.functional.normalize(scaled, mean=list(mean), std=list(std))
+
+
 class MoCoV2Views:
     """MoCo v2's two views of one image (Chen et al. 2020): independent draws of the same augmentation.
 

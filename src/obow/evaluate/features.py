@@ -1,17 +1,57 @@
 """Frozen backbones' ``pool5`` features, the input of every evaluation protocol (paper section 4.1).
 
-Backbones come from :mod:`obow.weights.load`; evaluation sets from :mod:`obow.data.eval_sets`.
+Backbones come from :mod:`obow.weights.load`; evaluation sets from :mod:`obow.data.eval_sets`. A set measured
+again and again (the kNN monitor of a pretraining run) can be decoded once (:func:`decode_set`) and its features
+taken from the kept pixels (:func:`decoded_features`), equal to :func:`extract_features`' bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader
 
 from obow.data.folders import EpochSampler, ImageDataset, build_loader
+from obow.data.transforms import normalize_pixels
 from obow.notices import ObowWarning
+
+
+@contextlib.contextmanager
+def frozen(backbone: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """The backbone on ``device`` in eval mode (BN running statistics, official notes 5.1) for the block; its
+    training mode restored afterwards."""
+    was_training = backbone.training
+    backbone.eval().to(device)
+    try:
+        yield
+    finally:
+        backbone.train(was_training)
+
+
+def _loader(dataset: ImageDataset, batch_size: int, num_workers: int, pin_memory: bool) -> DataLoader:
+    """Every image of ``dataset`` once, in order."""
+    sampler = EpochSampler(len(dataset), batch_size, shuffle=False, drop_last=False)
+    return build_loader(dataset, sampler, batch_size, num_workers, pin_memory=pin_memory)
+
+
+def _report_skipped(dataset: ImageDataset, missed: list[str], skipped: list[str] | None) -> None:
+    """One warning for the unreadable images met (each replaced by the next readable one)."""
+    if not missed:
+        return
+    unique = sorted(set(missed))
+    warnings.warn(
+        f"{len(unique)} unreadable images under {dataset.images.root} were skipped (replaced by the next "
+        f"readable image), e.g. {unique[0]}",
+        ObowWarning,
+        stacklevel=3,
+    )
+    if skipped is not None:
+        skipped.extend(unique)
 
 
 @torch.no_grad()
@@ -33,29 +73,73 @@ def extract_features(
     :class:`~obow.data.folders.ImageDataset`), reported in a warning, and appended to ``skipped`` when given.
     """
     device = torch.device(device)
-    was_training = backbone.training
-    backbone.eval().to(device)
-    sampler = EpochSampler(len(dataset), batch_size, shuffle=False, drop_last=False)
-    loader = build_loader(dataset, sampler, batch_size, num_workers, pin_memory=device.type == "cuda")
     features, labels, missed = [], [], []
-    try:
-        for batch in loader:
+    with frozen(backbone, device):
+        for batch in _loader(dataset, batch_size, num_workers, pin_memory=device.type == "cuda"):
             images = batch["image"].to(device, non_blocking=True)
             if flip:
                 images = images.flip(-1)
             features.append(backbone(images).pool5.float().cpu())
             labels.append(batch["label"])
             missed.extend(batch["skipped"])
-    finally:
-        backbone.train(was_training)
-    if missed:
-        unique = sorted(set(missed))
-        warnings.warn(
-            f"{len(unique)} unreadable images under {dataset.images.root} were skipped (replaced by the next "
-            f"readable image), e.g. {unique[0]}",
-            ObowWarning,
-            stacklevel=2,
-        )
-        if skipped is not None:
-            skipped.extend(unique)
+    _report_skipped(dataset, missed, skipped)
     return torch.cat(features), torch.cat(labels).long()
+
+
+@dataclass(frozen=True)
+class DecodedSet:
+    """An evaluation set's deterministic views decoded once: ``pixels`` ``uint8`` ``[N, 3, T, T]`` (CPU; pinned
+    when it feeds a GPU), ``labels`` ``[N]``, and the ``mean`` / ``std`` that normalise a batch of them."""
+
+    pixels: Tensor
+    labels: Tensor
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.pixels.nelement() * self.pixels.element_size()
+
+
+def decode_set(
+    dataset: ImageDataset,
+    mean: Sequence[float],
+    std: Sequence[float],
+    *,
+    batch_size: int = 256,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    skipped: list[str] | None = None,
+) -> DecodedSet:
+    """Every image of ``dataset`` (built with ``eval_dataset(..., pixels=True)``: ``uint8`` views) decoded once, in
+    order, to be normalised by ``mean`` / ``std`` when used. Unreadable images as in :func:`extract_features`."""
+    pixels, labels, missed = [], [], []
+    for batch in _loader(dataset, batch_size, num_workers, pin_memory=False):
+        if batch["image"].dtype != torch.uint8:
+            raise ValueError("decode_set needs uint8 views: build the dataset with eval_dataset(..., pixels=True)")
+        pixels.append(batch["image"])
+        labels.append(batch["label"])
+        missed.extend(batch["skipped"])
+    _report_skipped(dataset, missed, skipped)
+    kept = torch.cat(pixels)
+    return DecodedSet(
+        kept.pin_memory() if pin_memory else kept,
+        torch.cat(labels).long(),
+        tuple(float(m) for m in mean),
+        tuple(float(s) for s in std),
+    )
+
+
+@torch.no_grad()
+def decoded_features(
+    backbone: torch.nn.Module, decoded: DecodedSet, *, batch_size: int = 256, device: str | torch.device = "cpu"
+) -> Tensor:
+    """``pool5`` features ``[N, c]`` (float32, left on ``device``) of a :class:`DecodedSet`, in order: each batch
+    copied to ``device``, normalised there and seen by the frozen backbone, as :func:`extract_features` does."""
+    device = torch.device(device)
+    features = []
+    with frozen(backbone, device):
+        for start in range(0, len(decoded.pixels), batch_size):
+            images = decoded.pixels[start : start + batch_size].to(device, non_blocking=True)
+            features.append(backbone(normalize_pixels(images, decoded.mean, decoded.std)).pool5.float())
+    return torch.cat(features)

@@ -1,5 +1,8 @@
 """The kNN monitor of a pretraining run: how good the student's features are, measured every few epochs.
 
+The evaluation images are decoded once, on the first pass, and kept (``uint8``, the teacher's deterministic
+view) when they take at most :data:`KEEP_FRACTION` of the memory available: each later pass is then the
+backbone's forward and the kNN alone, both on the run's device. Otherwise every pass reads the images again.
 :func:`obow.training.loop.pretrain` takes it as ``monitor=KNNMonitor`` (the ``obow`` command, the demo and
 the tables pass it): the training package sits below evaluation and does not import it.
 """
@@ -12,13 +15,19 @@ import torch
 from torch import nn
 
 from obow.config import Config
+from obow.data.cache import available_memory
 from obow.data.eval_sets import align_classes, eval_dataset, scan_labelled
 from obow.data.folders import ImageList
 from obow.diagnostics import feature_diagnostics
-from obow.evaluate.features import extract_features
+from obow.evaluate.features import DecodedSet, decode_set, decoded_features, extract_features
 from obow.evaluate.knn import knn_accuracy
 
 log = logging.getLogger("obow")
+
+#: The most of the memory available (at the monitor's set-up) that its decoded evaluation images may take.
+KEEP_FRACTION = 0.25
+#: Images per forward of the monitor.
+BATCH_SIZE = 256
 
 
 class KNNMonitor:
@@ -42,7 +51,21 @@ class KNNMonitor:
             log.info("kNN monitor off: %s", self.reason)
             return
         val = align_classes(images, scan_labelled(cfg.data.val_path))
-        self.train_set, self.val_set = eval_dataset(images, cfg.views), eval_dataset(val, cfg.views)
+        size = cfg.views.teacher_size
+        needed = (len(images) + len(val)) * 3 * size * size
+        #: Whether the evaluation images are decoded once and kept (see the module's docstring).
+        self.keeps_pixels = needed <= KEEP_FRACTION * available_memory()
+        self.train_set = eval_dataset(images, cfg.views, pixels=self.keeps_pixels)
+        self.val_set = eval_dataset(val, cfg.views, pixels=self.keeps_pixels)
+        self.decoded: tuple[DecodedSet, DecodedSet] | None = None
+        if not self.keeps_pixels:
+            log.info(
+                "kNN monitor: its %d images would take %.0f MiB decoded, more than %d%% of the memory available: "
+                "each pass reads them again",
+                len(images) + len(val),
+                needed / 2**20,
+                round(100 * KEEP_FRACTION),
+            )
         self.enabled = True
         if cfg.train.knn_every > cfg.optim.epochs:
             log.warning(
@@ -66,10 +89,32 @@ class KNNMonitor:
     def __call__(self, backbone: nn.Module) -> dict[str, float]:
         """``knn_top1`` and the collapse diagnostics of the validation features (``knn_effective_rank``,
         ``knn_mean_cosine``)."""
-        kwargs = {"batch_size": 256, "device": self.device, "num_workers": self.cfg.data.num_workers}
-        train_x, train_y = extract_features(backbone, self.train_set, **kwargs)
-        val_x, val_y = extract_features(backbone, self.val_set, **kwargs)
+        if self.keeps_pixels:
+            train, val = self.decoded or self._decode()
+            train_x = decoded_features(backbone, train, batch_size=BATCH_SIZE, device=self.device)
+            val_x = decoded_features(backbone, val, batch_size=BATCH_SIZE, device=self.device)
+            train_y, val_y = train.labels.to(self.device), val.labels.to(self.device)
+        else:
+            kwargs = {"batch_size": BATCH_SIZE, "device": self.device, "num_workers": self.cfg.data.num_workers}
+            train_x, train_y = extract_features(backbone, self.train_set, **kwargs)
+            val_x, val_y = extract_features(backbone, self.val_set, **kwargs)
         k = min(self.cfg.train.knn_k, len(train_y))
         top1 = knn_accuracy(train_x, train_y, val_x, val_y, k=k, temperature=self.cfg.train.knn_temperature)
-        diagnostics = feature_diagnostics(val_x) if len(val_x) > 1 else {}
+        diagnostics = feature_diagnostics(val_x.cpu()) if len(val_x) > 1 else {}
         return {"knn_top1": top1, **{f"knn_{key}": float(v) for key, v in diagnostics.items()}}
+
+    def _decode(self) -> tuple[DecodedSet, DecodedSet]:
+        """The training and validation images decoded (the first pass), kept for every later pass."""
+        views, workers = self.cfg.views, self.cfg.data.num_workers
+        pin = self.device.type == "cuda"
+        train, val = (
+            decode_set(dataset, views.mean, views.std, batch_size=BATCH_SIZE, num_workers=workers, pin_memory=pin)
+            for dataset in (self.train_set, self.val_set)
+        )
+        self.decoded = train, val
+        log.info(
+            "kNN monitor: %d images decoded once and kept (%.0f MiB)",
+            len(train.labels) + len(val.labels),
+            (train.nbytes + val.nbytes) / 2**20,
+        )
+        return self.decoded

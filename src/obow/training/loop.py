@@ -243,7 +243,9 @@ def train_epochs(run: Run, state: RunState, epoch_monitor: Monitor | None) -> No
         record = train_one_epoch(run, state)
         if epoch_monitor is not None and epoch_monitor.due(state.epoch + 1):
             with run.boundary.signals.finishing("the end-of-epoch monitor under way (the epoch's steps are done)"):
+                start = time.perf_counter()
                 record.update(epoch_monitor(run.model.student))
+                record["monitor_time_s"] = round(time.perf_counter() - start, 3)
         if D.is_distributed():
             dist.barrier()  # the other processes wait for the main one's monitor
         state.end_epoch(record)

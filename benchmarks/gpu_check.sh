@@ -22,16 +22,12 @@ OUT=${OUT:-gpu_check_out}
 DATA=${DATA:?set DATA to a folder with train/ and test/ class folders}
 DEADLINE=${DEADLINE:-420}
 DEVICE=${DEVICE:-cuda} # cpu: a dry run of the plumbing on a machine without a GPU
-mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-T0=$(date +%s)
-: > "$OUT/summary.txt"
-: > "$OUT/all.log"
 
 # shellcheck source=benchmarks/gpu_parts.sh
 source benchmarks/gpu_parts.sh # part NAME CAP command...
 
-part env 30 bash -c 'nvidia-smi -L; python3 -c "import torch, torchvision; print(torch.__version__, torchvision.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0))"'
+part env 30 bash -c machine
 case " ${SKIP:-} " in
     *" install "*) echo "install skipped (SKIP)" | tee -a "$OUT/summary.txt" ;;
     *) python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/all.log" 2>&1 \

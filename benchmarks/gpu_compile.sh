@@ -30,11 +30,7 @@ DEADLINE=${DEADLINE:-540}
 DEVICE=${DEVICE:-cuda}
 SMALL=${SMALL:-0}
 CACHE=${CACHE:-/tmp/obow_cache}
-mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
-T0=$(date +%s)
-: > "$OUT/summary.txt"
-: > "$OUT/all.log"
 
 # shellcheck source=benchmarks/gpu_parts.sh
 source benchmarks/gpu_parts.sh # part NAME CAP command...
@@ -56,7 +52,7 @@ FAST="train.precision=bf16 train.channels_last=true"
 # shellcheck disable=SC2086
 TP="python3 benchmarks/throughput.py --device $DEVICE --pipelines device --cache-dir $CACHE --json $OUT/throughput.json --compile $MODES --compile-mode reduce-overhead --measures end_to_end step $TPX"
 
-part env 20 bash -c 'nproc; nvidia-smi -L 2>/dev/null; python3 -c "import torch; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0))"'
+part env 20 bash -c machine
 part checks 150 python3 benchmarks/gpu_compile.py --device "$DEVICE" --cache-dir "$CACHE" --json "$OUT/checks.json" $CHX \
     --config cifar10_resnet18 --data "$C10/train" $B_CHECK $FAST
 # MoCo v2: its shuffled batch norm's randperm and its queue's index_copy_ inside the CUDA graphs

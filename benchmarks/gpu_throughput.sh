@@ -31,11 +31,7 @@ DEVICE=${DEVICE:-cuda}
 WORKERS=${WORKERS:-12}
 SMALL=${SMALL:-0}
 CACHE=${CACHE:-/tmp/obow_cache}
-mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
-T0=$(date +%s)
-: > "$OUT/summary.txt"
-: > "$OUT/all.log"
 
 # shellcheck source=benchmarks/gpu_parts.sh
 source benchmarks/gpu_parts.sh # part NAME CAP command...
@@ -53,7 +49,7 @@ FAST="train.precision=bf16 train.channels_last=true"
 [ "$DEVICE" = cpu ] && FAST="train.precision=fp32 train.channels_last=true" # bf16 is emulated on some CPUs
 export OUT C10 INETTE DEVICE WORKERS CACHE B_BIG B_LIB B_REC QUAL QEPOCHS FAST PROFX BEPOCHS BQUAL BDIV
 
-part env 20 bash -c 'nproc; nvidia-smi -L 2>/dev/null; python3 -c "import torch, torchvision; print(torch.__version__, torchvision.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0))"'
+part env 20 bash -c machine
 part c10r18 80 $TP --config cifar10_resnet18 --data "$C10/train" --steps $S1 $B_REC --label "recipe: batch 128, fp32"
 part c10r18_big 50 $TP --pipelines device --diagnose every logged --config cifar10_resnet18 --data "$C10/train" --steps $S2 data.batch_size=$B_BIG $FAST
 # batch 1024: the step's launches are the same as at 512 (benchmarks/step_ops.py), its arithmetic doubles

@@ -51,7 +51,8 @@ TINY="optim.epochs=2 optim.warmup_epochs=1 data.num_workers=4 data.batch_size=64
 part pretrain 90 bash -c "obow pretrain --config cifar10_fast --data $DATA/train --out $RUN/plain $TINY \
     && obow eval knn --checkpoint $RUN/plain/checkpoint.pt --data $DATA --device $DEVICE"
 part torchrun_nccl 60 python3 -m torch.distributed.run --standalone --nproc_per_node 1 -m obow.cli pretrain --config cifar10_fast --data "$DATA/train" --out "$RUN/ddp" $TINY train.sync_batchnorm=true
-part pytest 200 python3 -m pytest -q -rf -p no:cacheprovider --maxfail 20
+# one process (-o addopts: the GPU machines may lack pytest-xdist, and the tests would share one GPU)
+part pytest 200 python3 -m pytest -q -rf -p no:cacheprovider --maxfail 20 -o addopts="-ra"
 part pretrain_compile 120 obow pretrain --config cifar10_fast --data "$DATA/train" --out "$RUN/compiled" $TINY train.compile=true
 part demo 240 obow demo --out "$RUN/demo"
 

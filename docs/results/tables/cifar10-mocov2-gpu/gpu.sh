@@ -9,7 +9,9 @@
 #
 # C10: CIFAR-10 as train/ (all 50,000) and test/ (all 10,000) class folders. EPOCHS: pretraining epochs per row;
 # ROWS (default "2 4"), SEEDS (default "0"): every row at every seed, JOBS (default 2) of them at once on the GPU;
-# CURVE: kNN on the test images every CURVE epochs (default 2; ~EPOCHS/10 gives the ten points). EXTRA: more recipe overrides for every row.
+# CURVE: kNN on the test images every CURVE epochs (default EPOCHS/10, at least 1: the ten points; the
+# monitor decodes the 60,000 images once and keeps them, each epoch record's monitor_time_s says what a pass took).
+# EXTRA: more recipe overrides for every row.
 # A run's checkpoint does not outlive the call, so EPOCHS must fit: a table run ends with its evaluations (kNN,
 # linear, few-shot); at DEADLINE-30 s the table gets SIGTERM and stops at a checkpoint (what finished is kept).
 # What comes back in $OUT: summary.txt, all.log, runs.tgz (each run's result.json, log.jsonl, config.yaml, and
@@ -25,7 +27,7 @@ DEADLINE=${DEADLINE:-330}
 ROWS=${ROWS:-2 4}
 SEEDS=${SEEDS:-0}
 JOBS=${JOBS:-2}
-CURVE=${CURVE:-2}
+CURVE=${CURVE:-$((EPOCHS >= 10 ? EPOCHS / 10 : 1))}
 EXTRA=${EXTRA:-}
 RECIPE=${RECIPE:-cifar10_resnet18}
 RUNS=${RUNS:-/tmp/gpu_mocov2}

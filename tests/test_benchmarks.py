@@ -305,7 +305,7 @@ def test_gpu_profile_runs_on_the_cpu(throughput, tmp_path, tiny_recipe, write_im
     "script, expected",
     [
         ("gpu_throughput.sh", {"c10r18", "c10r18_big", "quality", "profile", "libraries"}),
-        ("gpu_compile.sh", {"checks", "checks_moco", "render", "c10r18", "c10fast", "in20", "r50"}),
+        ("gpu_compile.sh", {"checks", "checks_moco", "render", "c10r18", "c10fast", "in20", "r50", "monitor"}),
     ],
 )
 def test_gpu_pass_skips_what_it_is_told_and_keeps_its_deadline(tmp_path, script, expected):

@@ -14,7 +14,7 @@ from obow.data.eval_sets import eval_dataset
 from obow.data.folders import scan_images
 from obow.data.transforms import eval_pixels_transform, eval_transform, normalize_pixels
 from obow.evaluate import monitor as monitor_module
-from obow.evaluate.features import decode_set, decoded_features, extract_features
+from obow.evaluate.features import DecodedSet, decode_set, decoded_features, extract_features
 from obow.evaluate.monitor import KNNMonitor
 from obow.notices import ObowWarning
 
@@ -108,3 +108,23 @@ def test_the_monitor_decodes_once_and_measures_as_a_reading_monitor_does(tmp_pat
     with torch.no_grad():  # and it measures the backbone as it is now
         next(backbone.parameters()).mul_(-1)
     assert keeping(backbone) != expected
+
+
+def test_kept_images_are_pinned_for_a_gpu_up_to_a_limit(tmp_path, tiny_recipe, monkeypatch):
+    pinned = []
+
+    def decode_set(dataset, mean, std, *, pin_memory, **kwargs):  # what the monitor asks for, not a real decode
+        pinned.append(pin_memory)
+        return DecodedSet(torch.zeros(1, 3, 24, 24, dtype=torch.uint8), torch.zeros(1, dtype=torch.long), mean, std)
+
+    monkeypatch.setattr(monitor_module, "decode_set", decode_set)
+    train = write_mixed_folder(tmp_path / "train", per_class=2)
+    val = write_mixed_folder(tmp_path / "val", per_class=1, seed=1)
+    cfg = load_config(tiny_recipe, [f"data.val_path={val}"])
+    for device, limit, expected in (("cpu", 2**30, False), ("cuda", 2**30, True), ("cuda", 100, False)):
+        monkeypatch.setattr(monitor_module, "PIN_LIMIT", limit)
+        monitor = KNNMonitor(cfg, scan_images(train, "folders"), torch.device(device))
+        assert monitor.needed == 6 * 3 * 24 * 24 and monitor.keeps_pixels
+        pinned.clear()
+        monitor._decode()
+        assert pinned == [expected, expected]

@@ -2,7 +2,8 @@
 
 The evaluation images are decoded once, on the first pass, and kept (``uint8``, the teacher's deterministic
 view) when they take at most :data:`KEEP_FRACTION` of the memory available: each later pass is then the
-backbone's forward and the kNN alone, both on the run's device. Otherwise every pass reads the images again.
+backbone's forward and the kNN alone, both on the run's device (the kept images pinned for a GPU, up to
+:data:`PIN_LIMIT`). Otherwise every pass reads the images again.
 :func:`obow.training.loop.pretrain` takes it as ``monitor=KNNMonitor`` (the ``obow`` command, the demo and
 the tables pass it): the training package sits below evaluation and does not import it.
 """
@@ -28,6 +29,9 @@ log = logging.getLogger("obow")
 KEEP_FRACTION = 0.25
 #: Images per forward of the monitor.
 BATCH_SIZE = 256
+#: Kept images of at most this many bytes are pinned for a CUDA device (faster copies); larger ones are not (pinning
+#: gigabytes takes long and may exceed the pinned-memory limit).
+PIN_LIMIT = 4 * 2**30
 
 
 class KNNMonitor:
@@ -52,7 +56,7 @@ class KNNMonitor:
             return
         val = align_classes(images, scan_labelled(cfg.data.val_path))
         size = cfg.views.teacher_size
-        needed = (len(images) + len(val)) * 3 * size * size
+        self.needed = needed = (len(images) + len(val)) * 3 * size * size  # bytes, decoded
         #: Whether the evaluation images are decoded once and kept (see the module's docstring).
         self.keeps_pixels = needed <= KEEP_FRACTION * available_memory()
         self.train_set = eval_dataset(images, cfg.views, pixels=self.keeps_pixels)
@@ -106,7 +110,7 @@ class KNNMonitor:
     def _decode(self) -> tuple[DecodedSet, DecodedSet]:
         """The training and validation images decoded (the first pass), kept for every later pass."""
         views, workers = self.cfg.views, self.cfg.data.num_workers
-        pin = self.device.type == "cuda"
+        pin = self.device.type == "cuda" and self.needed <= PIN_LIMIT
         train, val = (
             decode_set(dataset, views.mean, views.std, batch_size=BATCH_SIZE, num_workers=workers, pin_memory=pin)
             for dataset in (self.train_set, self.val_set)

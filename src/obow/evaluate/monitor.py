@@ -4,6 +4,7 @@ The evaluation images are decoded once, on the first pass, and kept (``uint8``, 
 view) when they take at most :data:`KEEP_FRACTION` of the memory available: each later pass is then the
 backbone's forward and the kNN alone, both on the run's device (the kept images pinned for a GPU, up to
 :data:`PIN_LIMIT`). Otherwise every pass reads the images again.
+
 :func:`obow.training.loop.pretrain` takes it as ``monitor=KNNMonitor`` (the ``obow`` command, the demo and
 the tables pass it): the training package sits below evaluation and does not import it.
 """

@@ -294,7 +294,6 @@ def color_jitter_dense(x: Tensor, factors: Tensor, order: Tensor, apply: Tensor)
 def photometric_dense(x: Tensor, p: PhotometricParams, max_sigma: float) -> Tensor:
     """:func:`photometric` with every view through every operation, each kept where its view draws it
     (:func:`color_jitter_dense`; the blur computed for all views): the same views, and ``p`` on ``x``'s device."""
-
     x = color_jitter_dense(x, p.factors, p.order, p.jitter)
     x = select_views(p.gray, grayscale(x).expand_as(x), x)
     x = select_views(p.blur, gaussian_blur(x, p.sigma, max_sigma), x)

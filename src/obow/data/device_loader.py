@@ -50,7 +50,6 @@ class DeviceLoader:
         self.device = device
         self.seed = seed
         self.render = render or views.render  # views.render, or its compiled form
-        self.compiled = render is not None
         self.resident: torch.Tensor | None = None  # the whole cache on the device, when it is held there
         if device.type == "cuda" and cache.nbytes <= GPU_CACHE_FRACTION * torch.cuda.mem_get_info(device)[0]:
             self.resident = torch.from_numpy(cache.pixels).to(device)
@@ -66,6 +65,11 @@ class DeviceLoader:
 
     def __len__(self) -> int:
         return max(0, self.sampler.batches_per_epoch - self.sampler.start_batch)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the views are rendered by a compiled render rather than ``views.render``."""
+        return self.render != self.views.render
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         batches = self.sampler.batches()

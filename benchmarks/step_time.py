@@ -54,8 +54,9 @@ from obow.backbones import build_backbone
 from obow.config import Config, load_config
 from obow.methods import build_views
 from obow.training.build import build_model, build_optimizer, prepare_step_model
-from obow.training.loop import Run, to_device, train_step
+from obow.training.loop import Run, train_step
 from obow.training.precision import native_bf16, precision_context, resolve_precision
+from obow.training.steps import build_step, to_device
 
 MODES = ("obow", "floor", "supervised")
 
@@ -92,7 +93,8 @@ def training_run(cfg: Config, device: torch.device) -> Run:
     optimizer = build_optimizer(model, cfg)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
     step_model = prepare_step_model(model, cfg, device)
-    return Run(cfg, Path("."), device, model, step_model, optimizer, scaler, None, None, 1, None, None)
+    step = build_step(cfg, model, step_model, optimizer, scaler, device)
+    return Run(cfg, Path("."), device, model, step_model, optimizer, scaler, None, None, 1, None, None, step)
 
 
 def timed_step(run: Run, batch: dict[str, torch.Tensor]) -> Callable[[], None]:

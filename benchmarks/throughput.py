@@ -46,9 +46,9 @@ from obow.config import Config, load_config
 from obow.data.folders import scan_images
 from obow.training import compiled as compiled_module
 from obow.training.build import build_data, build_model, build_optimizer, prepare_step_model
-from obow.training.compiled import check_step_compilable, compiled_step
-from obow.training.loop import Run, step_forward_backward, train_step
+from obow.training.loop import Run, train_step
 from obow.training.settle import resolve_pipeline
+from obow.training.steps import build_step, check_step_mode
 
 
 def synchronize(device: torch.device) -> None:
@@ -87,11 +87,12 @@ def build(name: str, cfg: Config, device: torch.device, min_images: int, diagnos
     model = build_model(cfg, total_iterations=100_000, device=device).train()
     optimizer = build_optimizer(model, cfg)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
-    if cfg.train.compile == "step" and (why := check_step_compilable(cfg)):
+    if why := check_step_mode(cfg):
         raise SystemExit(f"throughput.py: {why}")
-    compiled = compiled_step(cfg, model, optimizer, step_forward_backward(cfg, model))
-    run = Run(cfg, Path("."), device, model, prepare_step_model(model, cfg, device), optimizer, scaler, sampler,
-              loader, len(images) // cfg.data.batch_size, None, None, compiled)  # fmt: skip
+    step_model = prepare_step_model(model, cfg, device)
+    step = build_step(cfg, model, step_model, optimizer, scaler, device)
+    run = Run(cfg, Path("."), device, model, step_model, optimizer, scaler, sampler,
+              loader, len(images) // cfg.data.batch_size, None, None, step)  # fmt: skip
     workers = cfg.data.num_workers if cfg.data.pipeline == "workers" else 0
     every = cfg.train.log_every if diagnose == "logged" else 1
     return Setup(name, cfg, run, endless(loader, sampler), prefetched=2 * workers, diagnose_every=every)

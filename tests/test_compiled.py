@@ -24,8 +24,8 @@ from obow.methods import base
 from obow.methods.base import ema_update_
 from obow.training import compiled as compiled_module
 from obow.training.build import build_model, build_optimizer
-from obow.training.compiled import CompiledStep, check_step_compilable, configure_optimizer
-from obow.training.loop import forward_backward
+from obow.training.compiled import CompiledStep, configure_optimizer
+from obow.training.steps import check_step_mode, forward_backward
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import TINY_RECIPE  # noqa: E402
@@ -63,26 +63,31 @@ def test_compile_setting_keeps_its_old_values(value, mode):
 
 
 def test_compile_setting_refuses_other_values():
-    with pytest.raises(ConfigError, match=r"train\.compile='graph' is not allowed"):
-        tiny_config(train={"compile": "graph"})
+    with pytest.raises(ConfigError, match=r"train\.compile='graphs' is not allowed"):
+        tiny_config(train={"compile": "graphs"})
 
 
+@pytest.mark.parametrize("mode", ["step", "graph"])
 @pytest.mark.parametrize(
     ("sections", "says"),
     [
         ({"model": {"method": "rotnet"}}, "model.method=rotnet"),
+        ({"model": {"method": "bownet"}, "bownet": {"teacher": "teacher.pt"}}, "model.method=bownet"),
         ({"train": {"precision": "fp16"}}, "fp16"),
     ],
 )
-def test_step_refuses_what_it_cannot_do_yet(sections, says):
-    why = check_step_compilable(tiny_config(**sections))
-    assert says in why and "\n" not in why
-    assert check_step_compilable(tiny_config()) is None
+def test_step_refuses_what_it_cannot_do_yet(sections, says, mode):
+    train = {**sections.get("train", {}), "compile": mode}
+    why = check_step_mode(tiny_config(**{**sections, "train": train}))
+    assert says in why and f"train.compile={mode}" in why and "\n" not in why
+    assert check_step_mode(tiny_config(train={"compile": mode})) is None
+    assert check_step_mode(tiny_config(**sections)) is None  # the eager step takes them all
 
 
+@pytest.mark.parametrize("mode", ["step", "graph"])
 @pytest.mark.parametrize("model", [{"method": "mocov2"}, {"cutmix": True}])
-def test_step_takes_mocov2_and_cutmix(model):
-    assert check_step_compilable(tiny_config(model=model)) is None
+def test_step_takes_mocov2_and_cutmix(model, mode):
+    assert check_step_mode(tiny_config(model=model, train={"compile": mode})) is None
 
 
 def test_pretrain_refuses_rotnet_in_one_line(obow_cli, tiny_recipe, tmp_path):
@@ -223,7 +228,7 @@ def test_step_falls_back_to_the_whole_backward_where_dynamo_cannot_make_leaf_ten
     """Where Dynamo refuses ``Tensor.requires_grad_`` in a graph (torch 2.11), ``train.backward_per_group`` cannot
     compile (the per-group step makes the prediction weights leaves): the compiled step back-propagates the whole
     loss, saying so in one line. Eager steps keep their setting."""
-    from obow.training.loop import step_forward_backward
+    from obow.training.steps import step_forward_backward
 
     patch_tensor_method(monkeypatch, "requires_grad_", refuse_requires_grad_as_torch_2_11)
     assert not compiled_module.traces_leaf_tensors()
@@ -231,7 +236,7 @@ def test_step_falls_back_to_the_whole_backward_where_dynamo_cannot_make_leaf_ten
     model = build_model(cfg, 10, torch.device("cpu"))
     assert model.supports_groups
     calls = []
-    monkeypatch.setattr("obow.training.loop.forward_backward", lambda *args: calls.append(args[-1]) or {})
+    monkeypatch.setattr("obow.training.steps.forward_backward", lambda *args: calls.append(args[-1]) or {})
     with caplog.at_level("WARNING", logger="obow"):
         step_forward_backward(cfg, model)(*random_batch(0))
     assert calls == [False]

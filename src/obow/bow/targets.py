@@ -92,7 +92,7 @@ def sinkhorn_assignment(distances: Tensor, epsilon: float | Tensor, iterations: 
     """
     k = distances.shape[-1]
     log_q = at_least_float32(distances.reshape(-1, k)) / -epsilon
-    m_total = D.all_reduce_sum(torch.tensor(float(log_q.shape[0]), device=log_q.device, dtype=log_q.dtype))
+    m_total = D.all_reduce_sum(log_q.new_full((), float(log_q.shape[0])))
     for _ in range(iterations):
         # Words: every row of Q (here a column of log_q) must carry 1/K of the mass, summed over all processes.
         local = torch.logsumexp(log_q, dim=0)

@@ -184,8 +184,8 @@ class KMeansVocabulary(Vocabulary):
         self.words.copy_(torch.where(assigned.unsqueeze(1), centroids, self.words))
 
         self.step += 1
-        hit = torch.zeros(k, device=features.device)
-        hit[nearest] = 1.0
+        # (index_fill_, not hit[nearest] = 1.0: that makes a tensor of the 1.0 on the host, which a CUDA graph refuses)
+        hit = torch.zeros(k, device=features.device).index_fill_(0, nearest, 1.0)
         self.last_assigned.copy_(torch.where(D.all_reduce_max(hit) > 0, self.step, self.last_assigned))
         diagnostics = {"words_updated": assigned.float().mean()}
         if self.rare_word_steps is not None:

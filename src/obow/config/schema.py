@@ -340,6 +340,10 @@ class TrainConfig:
     channels_last: bool = False
     compile: str | bool = "off"  # a bool in recipes and checkpoints written before `step` existed
     deterministic: bool = False
+    #: On CUDA, float32 matrix products and convolutions on the tensor cores in TF32 (10 mantissa bits, as bf16
+    #: has 7): what an fp32 recipe and the fp32 kNN monitor of a run compute with; ``false``: IEEE float32
+    #: throughout. PyTorch's own defaults are TF32 convolutions and float32 matrix products. No effect on a CPU.
+    tf32: bool = True
     sync_batchnorm: bool = True
     backward_per_group: bool = True
     log_every: int = 20

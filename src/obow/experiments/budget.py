@@ -115,9 +115,9 @@ def seconds_per_step(configs: dict[str, Any], rounds: int = 3, block: int = 4) -
     import torch
 
     from obow.training.build import build_data, build_model, build_optimizer
-    from obow.training.loop import forward_backward, to_device
     from obow.training.precision import precision_context
     from obow.training.settle import resolve_pipeline
+    from obow.training.steps import forward_backward, to_device
     from obow.training.threads import choose_threads
 
     if rounds < 1 or block < 2:

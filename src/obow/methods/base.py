@@ -6,6 +6,12 @@ A method is an ``nn.Module`` (a subclass of :class:`Method`) with
   entries of the checkpoint);
 * ``teacher``: the network that makes the targets (OBoW's EMA teacher, MoCo v2's key encoder, BoWNet's static
   teacher), or ``None`` (RotNet); it never gets gradients. Every method sets it, ``None`` included;
+* :attr:`~Method.step_modes`: the ``train.compile`` modes its step supports (:mod:`obow.training.steps`): every
+  method runs ``off`` and ``networks``; a method whose step is made of tensors only (no host value reaches an
+  operator, no host read, no tensor replaced by another from step to step) adds ``step`` and ``graph``, and
+  offers :meth:`~Method.current_momentum` (its teacher's momentum as a host float, which those steps write into
+  :attr:`~Method.momentum_input`) and :meth:`~Method.draw_host_inputs` (the random numbers its step draws on the
+  host, which those steps draw before the step and write into :attr:`~Method.host_inputs`);
 * :attr:`~Method.supports_groups`: whether :meth:`~Method.forward` may be called one view group at a time
   (``group=0, 1, ...``), so that the loop back-propagates each group before building the next;
 * :meth:`~Method.prepare`: work done once before the first step of a new run (not on resumption: what it
@@ -67,9 +73,9 @@ def ema_update_(averages: Iterable[Tensor], sources: Iterable[Tensor], momentum:
 
     The teacher update of paper eq. 2 and MoCo's key-encoder update; the callers pass parameters only, so that
     the average's batch-norm statistics stay its own (official notes 2.10). ``momentum >= 1`` changes nothing.
-    A 0-d tensor ``momentum`` (a compiled step's, :mod:`obow.training.compiled`; float64 so that ``1 - momentum``
-    is the host's double) is not read by the host: its ``1 - momentum`` is the interpolation weight, rounded to
-    the averages' dtype as the host's float is (a weight of 0 leaves finite averages unchanged).
+    A 0-d tensor ``momentum`` (a compiled or graphed step's, :mod:`obow.training.steps`; float64 so that
+    ``1 - momentum`` is the host's double) is not read by the host: its ``1 - momentum`` is the interpolation
+    weight, rounded to the averages' dtype as the host's float is (a weight of 0 leaves finite averages unchanged).
     """
     averages, sources = list(averages), [s.detach() for s in sources]
     if len(averages) != len(sources):
@@ -78,7 +84,9 @@ def ema_update_(averages: Iterable[Tensor], sources: Iterable[Tensor], momentum:
         return
     if isinstance(momentum, Tensor):
         weight = (1.0 - momentum).to(averages[0].dtype)
-        if FOREACH_TENSOR_LERP:
+        # Eagerly (a graphed step), ``torch._foreach_lerp_`` reads a tensor weight on the host (``.item()``), which
+        # a CUDA graph's capture refuses; ``Tensor.lerp_`` does not, and in a graph its launches cost nothing.
+        if FOREACH_TENSOR_LERP and torch.compiler.is_compiling():
             torch._foreach_lerp_(averages, sources, weight)
         else:
             for average, source in zip(averages, sources, strict=True):
@@ -116,6 +124,8 @@ class Method(nn.Module):
 
     #: The training loop may call :meth:`forward` group by group (``group=0, 1, ...``).
     supports_groups: ClassVar[bool] = True
+    #: The ``train.compile`` modes this method's step supports (see the module docstring).
+    step_modes: ClassVar[frozenset[str]] = frozenset({"off", "networks"})
 
     student: nn.Module
     teacher: nn.Module | None
@@ -135,6 +145,20 @@ class Method(nn.Module):
         #: (:mod:`obow.training.compiled`) so that a changing value is neither a host value nor a recompilation;
         #: ``None``: the method computes it on the host.
         self.momentum_input: Tensor | None = None
+        #: The random numbers of the step about to run that the method draws on the host
+        #: (:meth:`draw_host_inputs`), on the device, written in place by a compiled or graphed step before each
+        #: step; ``None``: the step draws them itself.
+        self.host_inputs: Any = None
+
+    def current_momentum(self) -> float:
+        """The teacher's momentum for the step about to run, computed on the host (a compiled or graphed step
+        writes it into :attr:`momentum_input`); the methods with ``step`` in :attr:`step_modes` define it."""
+        raise NotImplementedError(f"{type(self).__name__} has no teacher momentum for a compiled or graphed step")
+
+    def draw_host_inputs(self, student_views: Sequence[Tensor]) -> Any:
+        """The random numbers the step about to run draws on the host, as tensors with ``.to(device)`` and an
+        in-place ``.copy_(other)`` (OBoW's cut-mix boxes and permutations), or ``None``: nothing (the default)."""
+        return None
 
     def prepare(self, images: ImageList, cfg: Config, device: torch.device) -> Any:
         """Once, before the first step of a new run; nothing by default."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -99,6 +99,9 @@ class BoWNet(OBoW):
         predictor: the head (BoWNet: :class:`~obow.bow.predictor.FixedBoWPredictor`).
         total_iterations, loss_weighting, cutmix: as :class:`~obow.methods.obow.OBoW`.
     """
+
+    #: its step reads ``vocabulary_ready`` on the host (not yet a tensor the step can keep on the device)
+    step_modes: ClassVar[frozenset[str]] = frozenset({"off", "networks"})
 
     def __init__(
         self,

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -167,6 +168,8 @@ class MoCoV2(Method):
     Buffers: ``queue`` ``[Q, dim]`` (rows: keys, L2-normalised; random unit vectors at the start, as in MoCo),
     ``queue_ptr`` (the row the next keys are written to) and ``iteration`` (training steps done).
     """
+
+    step_modes: ClassVar[frozenset[str]] = frozenset({"off", "networks", "step", "graph"})
 
     def __init__(
         self,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -53,8 +54,11 @@ class OBoW(Method):
             group, :mod:`obow.data.cutmix`) and mix its BoW targets by area. The draws come from
             :attr:`cutmix_generator` when set (a CPU ``torch.Generator``), else from torch's global CPU
             generator (saved in checkpoints), all of a step's groups at its start, before the teacher side (a
-            compiled step draws them on the host before its graph and writes them into :attr:`cutmix_input`).
+            compiled or graphed step draws them before its graph, :meth:`draw_host_inputs`, and writes them into
+            :attr:`~obow.methods.base.Method.host_inputs`).
     """
+
+    step_modes: ClassVar[frozenset[str]] = frozenset({"off", "networks", "step", "graph"})
 
     def __init__(
         self,
@@ -87,9 +91,6 @@ class OBoW(Method):
         self.loss_weighting = loss_weighting
         self.cutmix = bool(cutmix)
         self.cutmix_generator: torch.Generator | None = None
-        #: The step's cutmix draws on the device, written in place by a compiled step (:mod:`obow.training.compiled`)
-        #: before each step; ``None``: the step draws them itself.
-        self.cutmix_input: CutmixDraws | None = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
 
     @classmethod
@@ -172,6 +173,10 @@ class OBoW(Method):
                 loss = loss + surrogate - surrogate.detach()
         return StepOutput(loss=loss, metrics=metrics, targets={k: b.targets for k, b in state["bows"].items()})
 
+    def draw_host_inputs(self, student_views: Sequence[Tensor]) -> CutmixDraws | None:
+        """The step's cut-mix draws when :attr:`cutmix` (on the CPU), else ``None``."""
+        return self.draw_cutmix(student_views) if self.cutmix and self.training else None
+
     def draw_cutmix(self, groups: Sequence[Tensor]) -> CutmixDraws:
         """The step's cutmix draws for its view groups (``[B, n, 3, h, w]`` or ``[B, 3, h, w]``), on the CPU."""
         return draw_cutmix([(v.shape[0], v.shape[-2], v.shape[-1]) for v in groups], self.cutmix_generator)
@@ -182,7 +187,7 @@ class OBoW(Method):
         metrics: dict[str, Tensor] = {}
         cutmix = None
         if self.cutmix and self.training:
-            cutmix = self.cutmix_input
+            cutmix = self.host_inputs
             if cutmix is None:
                 cutmix = self.draw_cutmix(groups).to(teacher_images.device, non_blocking=True)
         if self.training:

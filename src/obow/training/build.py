@@ -49,6 +49,8 @@ def setup_process(cfg: Config) -> torch.device:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = not cfg.train.deterministic
+        torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32  # this process's fp32 products: training, monitor
+        torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     else:
         device = torch.device("cpu")
     if cfg.train.deterministic:

@@ -31,8 +31,8 @@ batch norm) is drawn inside the graph from PyTorch's generator (``fallback_rando
 compiled run draws the numbers an eager one does.
 
 Cut-mixed views (``model.cutmix``) compile too: the step draws its boxes and permutations on the host before the
-graph, from the generator and in the order of the eager step (:meth:`obow.methods.obow.OBoW.draw_cutmix`),
-writes them into tensors the graph reads (``model.cutmix_input``), and the graph pastes through a mask
+graph, from the generator and in the order of the eager step (:meth:`obow.methods.base.Method.draw_host_inputs`),
+writes them into tensors the graph reads (``model.host_inputs``), and the graph pastes through a mask
 (:func:`obow.data.cutmix.cutmix_masked`): no box is a Python value in the graph.
 
 Replayed as CUDA graphs (Inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets; :data:`OPTIONS`,
@@ -41,7 +41,12 @@ graphs run and returns copies of its metrics (a replay overwrites its outputs). 
 (``benchmarks/gpu_compile.sh``).
 
 Not yet: BoWNet and RotNet, several processes (DistributedDataParallel) and fp16 (the gradient scaler's skip
-reads the device); each is refused with one line.
+reads the device); each is refused with one line (:func:`obow.training.steps.check_step_mode`).
+
+What it costs: Inductor compiled the whole step of the tests' tiny network in minutes on 2 CPU cores (234 s,
+docs/results/compile_cpu.md), and on an H200 with 16 cores the step of ``cifar10_resnet18`` had not finished
+compiling after 140 s; a run pays that at every start. ``train.compile: graph`` (:mod:`obow.training.graphed`)
+replays the eager step as a CUDA graph without compiling it.
 
 Older torches (the GPU machines' 2.11) lack two things the step uses; each is detected by trying it on a toy
 (:func:`traces_leaf_tensors`, :func:`lerps_as_eager`, once a process), and the step falls back, saying so in one
@@ -62,15 +67,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from obow import distributed as D
-from obow.config import Config
 from obow.methods import base
 from obow.methods.base import Method
+from obow.training.steps import write_host_inputs
 
 __all__ = [
     "CompiledStep",
-    "check_step_compilable",
-    "compiled_step",
     "configure_optimizer",
     "lerps_as_eager",
     "step_per_group",
@@ -88,28 +90,6 @@ OPTIONS: dict[str, Any] | None = None
 
 #: ``forward_backward(teacher_images, student_views) -> metrics``: the loop's forward and backward pass of a step.
 ForwardBackward = Callable[[Tensor, list[Tensor]], dict[str, Tensor]]
-
-
-def check_step_compilable(cfg: Config) -> str | None:
-    """Why ``cfg`` cannot train with ``train.compile: step`` (one line), or ``None`` when it can."""
-    method = cfg.model.method
-    if method in ("bownet", "rotnet"):
-        return (
-            f"train.compile=step does not support model.method={method}: its step reads host values each step "
-            "(not yet made tensors); use train.compile=networks or off"
-        )
-    if cfg.train.precision == "fp16":
-        return (
-            "train.compile=step does not support train.precision=fp16 (its gradient scaler reads the device); use bf16"
-        )
-    if D.is_distributed():
-        return "train.compile=step does not support several processes yet; use train.compile=networks or off"
-    if not hasattr(torch._dynamo.config, "trace_autograd_ops"):
-        return (
-            f"train.compile=step needs a torch that traces Tensor.backward (torch._dynamo.config.trace_autograd_ops); "
-            f"this is torch {torch.__version__}"
-        )
-    return None
 
 
 @functools.cache
@@ -163,27 +143,19 @@ def step_per_group(requested: bool) -> bool:
     return requested
 
 
-def compiled_step(
-    cfg: Config, model: Method, optimizer: torch.optim.Optimizer, forward_backward: ForwardBackward
-) -> CompiledStep | None:
-    """The run's :class:`CompiledStep` with ``train.compile: step``; otherwise ``None``, and the optimiser as the
-    eager step wants it, whichever run wrote the state it resumed (:func:`configure_optimizer`)."""
-    if cfg.train.compile != "step":
-        configure_optimizer(optimizer, step=False)
-        return None
-    return CompiledStep(model, optimizer, forward_backward, backend=BACKEND, options=OPTIONS)
-
-
-def configure_optimizer(optimizer: torch.optim.Optimizer, step: bool) -> Tensor | None:
-    """The optimiser as a compiled step (``step``) or the eager one needs it, whatever run wrote its state:
-    ``foreach`` with a 0-d tensor learning rate (returned; :class:`CompiledStep` writes it in place), or
-    ``fused`` with a float one (the loop sets it each step)."""
+def configure_optimizer(optimizer: torch.optim.Optimizer, step: bool, graph: bool = False) -> Tensor | None:
+    """The optimiser as a compiled step (``step``), a graphed one (``step`` and ``graph``) or the eager one needs
+    it, whatever run wrote its state: ``foreach`` with a 0-d tensor learning rate (compiled: Dynamo does not trace
+    the fused kernel), ``fused`` with a 0-d tensor one (graphed: the fused kernel reads it on the device, the same
+    numbers as a float), the tensor returned and written in place by the step; or ``fused`` with a float one (the
+    loop sets it each step)."""
     lr = None
     if step:
         device = optimizer.param_groups[0]["params"][0].device
         lr = torch.zeros((), device=device)
+    fused = not step or graph
     for group in optimizer.param_groups:
-        group.update(fused=not step, foreach=True if step else None, lr=lr if step else float(group["lr"]))
+        group.update(fused=fused, foreach=None if fused else True, lr=lr if step else float(group["lr"]))
     return lr
 
 
@@ -196,6 +168,8 @@ class CompiledStep:
     Dynamo backend object (a compile counter). ``options``: Inductor's, e.g. ``{"triton.cudagraphs": True}``.
     """
 
+    mode = "step"
+
     def __init__(
         self,
         model: Method,
@@ -205,8 +179,8 @@ class CompiledStep:
         backend: Any = "inductor",
         options: dict[str, Any] | None = None,
     ) -> None:
-        if not hasattr(model, "current_momentum"):
-            raise ValueError(f"{type(model).__name__} has no teacher momentum schedule for a compiled step")
+        if "step" not in model.step_modes:
+            raise ValueError(f"{type(model).__name__} does not support train.compile=step")
         self.model = model
         self.optimizer = optimizer
         self.forward_backward = forward_backward
@@ -235,8 +209,7 @@ class CompiledStep:
         """One step at learning rate ``lr``; returns its detached metrics (device tensors)."""
         self.lr.fill_(lr)
         self.momentum.fill_(self.model.current_momentum())  # from host_iteration: no read of the device
-        if getattr(self.model, "cutmix", False):
-            self._write_cutmix(student_views)
+        write_host_inputs(self.model, student_views, self.lr.device)
         self.optimizer.zero_grad(set_to_none=True)
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()  # a new step: the previous one's outputs are done with
@@ -247,18 +220,6 @@ class CompiledStep:
         if self.cudagraphs:  # the caller may hold them past the next step (the progress bar, a logged step's floats)
             metrics = {key: value.clone() for key, value in metrics.items()}
         return metrics
-
-    def _write_cutmix(self, student_views: list[Tensor]) -> None:
-        """This step's cutmix boxes and permutations, drawn on the host as the eager step draws them (the same
-        generator, the same order), into the tensors the graph reads (``model.cutmix_input``, written in place)."""
-        draws = self.model.draw_cutmix(student_views)
-        held = self.model.cutmix_input
-        if held is None or any(
-            a.shape != b.shape for a, b in zip((held.boxes, held.perms), (draws.boxes, draws.perms), strict=True)
-        ):
-            self.model.cutmix_input = draws.to(self.lr.device)
-        else:
-            held.copy_(draws, non_blocking=True)
 
     # Two functions with the same body: Dynamo keeps compiled code per Python function, so the logged variant
     # (diagnose=True) is a second graph compiled once, not a recompilation of the first on every logged step.

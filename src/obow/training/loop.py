@@ -5,7 +5,8 @@
 (:mod:`obow.training.state`), then calls :func:`train_one_epoch` until the recipe's epochs are done. One step
 (:func:`train_step`): the learning rate of the iteration, the method's forward pass (for OBoW: teacher EMA,
 BoW targets, vocabulary update, student loss; see :mod:`obow.methods.base` for the contract every method
-meets), backward, SGD step.
+meets), backward, SGD step, run by the step ``train.compile`` chose (eager, compiled or graphed:
+:mod:`obow.training.steps`).
 
 Checkpoints are written only between two steps (:class:`StepBoundary`), so that each one is a state an
 uninterrupted run also passes through: at every epoch end, every ``train.checkpoint_every`` steps, every
@@ -20,7 +21,6 @@ A run is settled, built, then trained: its ``auto`` settings and threads resolve
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -45,10 +45,8 @@ from obow.training.build import (
     prepare_step_model,
     setup_process,
 )
-from obow.training.compiled import CompiledStep, check_step_compilable, compiled_step, step_per_group
 from obow.training.lock import RunLock
 from obow.training.logger import RunLogger, log_interval, log_main, logged_step, logged_steps
-from obow.training.precision import precision_context
 from obow.training.settle import SettledRun, settle_run
 from obow.training.state import (
     Interrupted,
@@ -62,6 +60,7 @@ from obow.training.state import (
     start_or_resume,
     summary,
 )
+from obow.training.steps import TrainingStep, build_step, check_step_mode, to_device
 from obow.training.threads import chosen_threads
 
 __all__ = ["EPOCH_MEANS", "Interrupted", "RunError", "pretrain", "train_one_epoch", "train_step"]
@@ -130,7 +129,7 @@ class Run:
     iters_per_epoch: int
     logger: RunLogger
     boundary: StepBoundary
-    compiled: CompiledStep | None = None  # train.compile: step
+    step: TrainingStep  # eager, compiled or graphed (train.compile), chosen once by build_step
 
     def save(self, state: RunState) -> None:
         """The checkpoint of ``state``; every process calls it at the same step boundary."""
@@ -170,7 +169,7 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
     if cfg.data.path is None:
         raise RunError("no training images: set data.path (obow pretrain --data DIR)")
     check_inputs(cfg)  # before the run folder is created
-    if cfg.train.compile == "step" and (why := check_step_compilable(cfg)):
+    if why := check_step_mode(cfg):
         raise RunError(why)
     # and the images found before it too: an empty --data leaves no folder with a config.yaml and a lock behind
     images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
@@ -209,10 +208,9 @@ def train_in_lock(
     model.train()
     with handle_signals(announce=D.is_main_process()) as signals:
         boundary = StepBoundary(signals, cfg.train.checkpoint_minutes, device)
-        parts = (model, step_model, optimizer, scaler, sampler, loader, iters_per_epoch, logger, boundary)
-        run = Run(
-            cfg, out, device, *parts, compiled=compiled_step(cfg, model, optimizer, step_forward_backward(cfg, model))
-        )
+        step = build_step(cfg, model, step_model, optimizer, scaler, device)
+        parts = (model, step_model, optimizer, scaler, sampler, loader, iters_per_epoch, logger, boundary, step)
+        run = Run(cfg, out, device, *parts)
         try:
             train_epochs(run, state, epoch_monitor)
         except Interrupted:
@@ -326,24 +324,10 @@ def step_boundary(run: Run, state: RunState) -> None:
 
 
 def train_step(run: Run, views: dict[str, torch.Tensor], lr: float) -> dict[str, torch.Tensor]:
-    """One optimiser step at learning rate ``lr`` on a batch of views; returns the step's detached metrics."""
+    """One optimiser step at learning rate ``lr`` on a batch of views (the run's step: eager, compiled or graphed,
+    :mod:`obow.training.steps`); returns the step's detached metrics."""
     teacher_images, student_views = to_device(views, run.device, run.cfg.train.channels_last)
-    if run.compiled is not None:
-        return run.compiled(teacher_images, student_views, lr)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
-    run.optimizer.zero_grad(set_to_none=True)
-    metrics = forward_backward(
-        run.step_model,
-        teacher_images,
-        student_views,
-        run.scaler,
-        precision_context(run.cfg.train.precision, run.device),
-        run.cfg.train.backward_per_group and run.model.supports_groups,
-    )
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
-    return metrics
+    return run.step(teacher_images, student_views, lr)
 
 
 def note_skipped(state: RunState, skipped: list[str]) -> None:
@@ -365,62 +349,3 @@ def make_monitor(
             log.info("kNN monitor off: pretrain was given no monitor (obow pretrain passes KNNMonitor)")
         return None
     return factory(cfg, images, device)
-
-
-def step_forward_backward(cfg: Config, model: Method) -> Callable[[torch.Tensor, list[torch.Tensor]], dict]:
-    """:func:`forward_backward` of ``model`` as a compiled step calls it (no gradient scaler: fp32 or bf16)."""
-    autocast = precision_context(cfg.train.precision, next(model.parameters()).device)
-    per_group = step_per_group(cfg.train.backward_per_group and model.supports_groups)
-    return lambda teacher_images, student_views: forward_backward(
-        model, teacher_images, student_views, None, autocast, per_group
-    )
-
-
-def forward_backward(
-    step_model: nn.Module,
-    teacher_images: torch.Tensor,
-    student_views: list[torch.Tensor],
-    scaler: torch.amp.GradScaler | None,
-    autocast: contextlib.AbstractContextManager,
-    per_group: bool,
-) -> dict[str, torch.Tensor]:
-    """Forward and backward of one step; returns the step's detached metrics (``"loss"``: the whole loss).
-    ``scaler``: fp16's gradient scaler, or ``None`` (a compiled step, :mod:`obow.training.compiled`).
-
-    With ``per_group`` each student view group is back-propagated before the next is built (the loss is a
-    sum over groups), so only one group's activations are held at a time; under DDP the gradients are
-    synchronised once, in the last group's backward pass.
-    """
-    if not per_group or len(student_views) == 1:
-        with autocast:
-            output = step_model(teacher_images, student_views)
-        scaled(scaler, output.loss).backward()
-        return output.metrics
-    metrics: dict[str, torch.Tensor] = {}
-    total = torch.zeros((), device=teacher_images.device)
-    grad_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
-    for g in range(len(student_views)):
-        last = g == len(student_views) - 1
-        no_sync = step_model.no_sync() if D.is_distributed() and not last else contextlib.nullcontext()
-        with no_sync:
-            with autocast:
-                output = step_model(teacher_images, student_views, group=g, grad_scale=grad_scale)
-            scaled(scaler, output.loss).backward()
-        metrics.update(output.metrics)
-        total += output.metrics["loss"]
-    metrics["loss"] = total
-    return metrics
-
-
-def scaled(scaler: torch.amp.GradScaler | None, loss: torch.Tensor) -> torch.Tensor:
-    return loss if scaler is None else scaler.scale(loss)
-
-
-def to_device(views: dict[str, torch.Tensor], device: torch.device, channels_last: bool):
-    """The teacher batch and the student's view groups (crops, then patches) on ``device``."""
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-
-    def move(x: torch.Tensor) -> torch.Tensor:
-        return x.to(device, non_blocking=True, memory_format=fmt) if x.dim() == 4 else x.to(device, non_blocking=True)
-
-    return move(views["teacher"]), [move(views[k]) for k in ("crops", "patches") if k in views]

@@ -68,11 +68,11 @@ def cpu_supports_bf16() -> bool | None:
     return bool(check()) if check is not None else None
 
 
-def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+def precision_context(precision: str, device: torch.device, cache: bool = True) -> contextlib.AbstractContextManager:
     """Autocast for bf16 / fp16 (the BoW distances and codes stay in float32 inside the extractor); ``auto`` as
-    :func:`resolve_precision` makes it."""
+    :func:`resolve_precision` makes it. ``cache=False``: no cache of the weights' casts (a CUDA graph's capture)."""
     precision = resolve_precision(precision, device)
     if precision == "fp32":
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device.type, dtype=dtype)
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=cache)

@@ -63,6 +63,7 @@ RESUMABLE_CHANGES = {
     "train.progress_bar",
     "train.tensorboard",
     "train.threads",
+    "train.tf32",  # CUDA's rounding of float32 products, as train.device changes it
 }
 
 

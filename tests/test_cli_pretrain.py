@@ -227,3 +227,30 @@ def test_precision_memory_format_and_compile_switches_train(
         assert ckpt["scaler"]["scale"] > 0
     else:
         assert not ckpt.get("scaler")
+
+
+@pytest.mark.parametrize("data", ["missing", "empty"])
+def test_a_bad_data_folder_is_the_only_line(tmp_path, tiny_recipe, data):
+    """Issue 54: a setting's warning (the warm-up shortened for a 1-epoch run) came before the error of a missing
+    or empty --data; the error is now the only line on stderr (the warning waits until the images are found)."""
+    (tmp_path / "empty").mkdir()
+    argv = ["pretrain", "--config", tiny_recipe, "--data", tmp_path / data, "--out", tmp_path / "run"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "obow", *map(str, argv), "optim.epochs=1", "optim.warmup_epochs=1"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("obow: error: "), proc.stderr
+    assert ("does not exist" if data == "missing" else "no images found") in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_settings_warning_still_shows_when_the_data_is_there(tmp_path, tiny_recipe, write_images, obow_cli):
+    """The warm-up warning held back while the data is checked is shown once the images are found."""
+    data = write_images(tmp_path / "data", per_class=4)
+    args = ["pretrain", "--config", tiny_recipe, "--data", data, "--out", tmp_path / "run", "optim.epochs=1"]
+    proc = obow_cli(*args, "optim.warmup_epochs=1", "train.knn_every=0", "train.tensorboard=false")
+    assert proc.err.count("the warm-up is shortened to 0.5 epochs") == 1
+    assert proc.err.index("the warm-up is shortened") < proc.err.index("New run")

@@ -37,6 +37,7 @@ from obow import distributed as D
 from obow.config import Config
 from obow.data.folders import EpochSampler, ImageList, scan_images
 from obow.methods.base import Method
+from obow.notices import release_notices
 from obow.schedules import learning_rate
 from obow.training.build import (
     build_data,
@@ -174,6 +175,7 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
         raise RunError(why)
     # and the images found before it too: an empty --data leaves no folder with a config.yaml and a lock behind
     images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
+    release_notices()  # the lines `obow pretrain` held until the images were found
     with RunLock(out, device=device):  # one writer per run folder, from here to the end
         settled = settle_run(cfg, out, device)
         with chosen_threads(settled.threads, settled.threads_why, workers=settled.pipeline == "workers"):

@@ -162,8 +162,10 @@ def test_with_random_init_evaluates_the_checkpoint_then_its_network_untrained(se
     assert run(*argv, "--with-random-init", "--out", tmp_path / "mine.json") == 0
     assert json.loads((tmp_path / "mine_random_init.json").read_text())["results"] == baseline["results"]
     assert json.loads((tmp_path / "mine.json").read_text())["results"] == trained["results"]
-    with pytest.raises(ValueError, match="--with-random-init evaluates a --checkpoint's network"):
+    with pytest.raises(ValueError, match="--random-init leaves no trained weights: drop one of the two"):
         run("eval", "knn", "--random-init", "--arch", "resnet18", "--with-random-init", "--data", data, *FAST)
+    with pytest.raises(ValueError, match="give the weights, --checkpoint or --backbone"):
+        run("eval", "knn", "--arch", "resnet18", "--with-random-init", "--data", data, *FAST)
 
 
 def test_architecture_mismatches_are_named(setup, tmp_path, capsys):
@@ -257,3 +259,62 @@ def test_unreadable_images_are_skipped_reported_and_recorded(setup, tmp_path):
     with pytest.warns(UserWarning, match="1 unreadable images"):
         assert run("eval", "knn", "--checkpoint", ckpt, "--k", 5, "--data", tmp_path / "data", "--out", out, *FAST) == 0
     assert json.loads(out.read_text())["skipped_images"] == [str(bad)]
+
+
+def test_two_exports_of_one_name_keep_two_reports(setup, tmp_path):
+    """``backbone.pth`` and ``backbone.safetensors`` beside each other (both documented export names): each
+    evaluation writes a report of its own (``knn_backbone-backbone.json``, ``knn_backbone-backbone.safetensors.json``)
+    and the first stays as it was."""
+    data, ckpt = setup
+    for name in ("backbone.pth", "backbone.safetensors"):
+        assert run("export", "--checkpoint", ckpt, "--out", tmp_path / name) == 0
+    assert run("eval", "knn", "--backbone", tmp_path / "backbone.pth", "--k", 5, "--data", data, *FAST) == 0
+    first = (tmp_path / "eval" / "knn_backbone-backbone.json").read_text()
+    assert run("eval", "knn", "--backbone", tmp_path / "backbone.safetensors", "--k", 5, "--data", data, *FAST) == 0
+    assert (tmp_path / "eval" / "knn_backbone-backbone.json").read_text() == first
+    second = json.loads((tmp_path / "eval" / "knn_backbone-backbone.safetensors.json").read_text())
+    assert json.loads(first)["source"]["path"] == str(tmp_path / "backbone.pth")
+    assert second["source"]["path"] == str(tmp_path / "backbone.safetensors")
+    assert second["results"] == json.loads(first)["results"]  # the same weights
+
+
+def test_a_default_report_of_another_file_is_not_replaced(setup, tmp_path):
+    """Two checkpoints in one folder (``checkpoints/epoch_*.pt``) share the default ``eval/knn.json``: the second
+    evaluation stops before its work with one line naming both files and ``--out``; the first report stays."""
+    data, ckpt = setup
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for name in ("epoch_0001.pt", "epoch_0002.pt"):
+        shutil.copy(ckpt, folder / name)
+    assert run("eval", "knn", "--checkpoint", folder / "epoch_0001.pt", "--k", 5, "--data", data, *FAST) == 0
+    first = (folder / "eval" / "knn.json").read_text()
+    with pytest.raises(ValueError, match=r"knn\.json is the report of .*epoch_0001\.pt.*epoch_0002\.pt.*--out"):
+        run("eval", "knn", "--checkpoint", folder / "epoch_0002.pt", "--k", 5, "--data", data, *FAST)
+    assert (folder / "eval" / "knn.json").read_text() == first
+    assert run("eval", "knn", "--checkpoint", folder / "epoch_0001.pt", "--k", 7, "--data", data, *FAST) == 0
+    assert json.loads((folder / "eval" / "knn.json").read_text())["settings"]["k"] == [7]  # its own: replaced
+
+
+def test_with_random_init_of_an_exported_backbone(setup, tmp_path, capsys):
+    """``--backbone FILE --with-random-init``: the export, then its network (from its sidecar) at its random
+    initialisation with the same seed, view and data: the numbers of ``--checkpoint --random-init`` of the
+    checkpoint it came from, in a report of its own beside the export's."""
+    data, ckpt = setup
+    exported = tmp_path / "backbone.pth"
+    assert run("export", "--checkpoint", ckpt, "--out", exported) == 0
+    capsys.readouterr()
+    argv = ("eval", "knn", "--k", 5, "--seed", 3, "--data", data, *FAST)
+    assert run(*argv, "--backbone", exported, "--with-random-init") == 0
+    out = capsys.readouterr().out
+    assert out.count("wrote ") == 2 and "random init (seed 3)" in out
+    trained = json.loads((tmp_path / "eval" / "knn_backbone-backbone.json").read_text())
+    baseline = json.loads((tmp_path / "eval" / "knn_random_init_backbone-backbone.json").read_text())
+    assert (trained["source"]["kind"], baseline["source"]["kind"]) == ("exported", "random_init")
+    source = baseline["source"]
+    assert (source["seed"], source["arch"], source["stem"], source["path"]) == (3, "resnet18", "cifar", str(exported))
+    assert baseline["settings"]["view"] == trained["settings"]["view"]
+    reference = tmp_path / "reference.json"
+    assert run(*argv, "--checkpoint", ckpt, "--random-init", "--out", reference) == 0
+    assert baseline["results"] == json.loads(reference.read_text())["results"]
+    assert run(*argv, "--backbone", exported, "--random-init", "--out", tmp_path / "alone.json") == 0
+    assert json.loads((tmp_path / "alone.json").read_text())["results"] == baseline["results"]

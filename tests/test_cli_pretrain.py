@@ -227,3 +227,60 @@ def test_precision_memory_format_and_compile_switches_train(
         assert ckpt["scaler"]["scale"] > 0
     else:
         assert not ckpt.get("scaler")
+
+
+@pytest.mark.parametrize("data", ["missing", "empty"])
+def test_a_bad_data_folder_is_the_only_line(tmp_path, tiny_recipe, data):
+    """Issue 54: a setting's warning (the warm-up shortened for a 1-epoch run) came before the error of a missing
+    or empty --data; the error is now the only line on stderr (the warning waits until the images are found)."""
+    (tmp_path / "empty").mkdir()
+    argv = ["pretrain", "--config", tiny_recipe, "--data", tmp_path / data, "--out", tmp_path / "run"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "obow", *map(str, argv), "optim.epochs=1", "optim.warmup_epochs=1"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("obow: error: "), proc.stderr
+    assert ("does not exist" if data == "missing" else "no images found") in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_settings_warning_still_shows_when_the_data_is_there(tmp_path, tiny_recipe, write_images, obow_cli):
+    """The warm-up warning held back while the data is checked is shown once the images are found."""
+    data = write_images(tmp_path / "data", per_class=4)
+    args = ["pretrain", "--config", tiny_recipe, "--data", data, "--out", tmp_path / "run", "optim.epochs=1"]
+    proc = obow_cli(*args, "optim.warmup_epochs=1", "train.knn_every=0", "train.tensorboard=false")
+    assert proc.err.count("the warm-up is shortened to 0.5 epochs") == 1
+    assert proc.err.index("the warm-up is shortened") < proc.err.index("New run")
+
+
+@pytest.mark.parametrize("pipeline", ["workers", "device"])
+def test_tiny_images_are_used_and_reported_once_each(tmp_path, tiny_recipe, write_images, obow_cli, read_log, pipeline):
+    """Issue 54: a 1x1 and a 2x50 image were upscaled into the views without a word. Their shorter side is under a
+    quarter of the 28 px the tiny recipe's views are made from: each is used, reported in one warning the first
+    time it is met (not again in the next epoch), and counted in the epoch record (``tiny_images``) and the
+    checkpoint; ``skipped_images`` stays 0. Both pipelines: loader workers, and the device pipeline's cache."""
+    data = write_images(tmp_path / "data", per_class=3)  # 6 images of 32 px + 2 tiny ones: one batch of 8
+    Image.new("RGB", (1, 1), (200, 30, 30)).save(data / "class0" / "one.png")
+    Image.new("RGB", (2, 50), (30, 200, 30)).save(data / "class1" / "strip.png")
+    out = tmp_path / "run"
+
+    def proc_args(data, out, pipeline, tmp_path):
+        return ("pretrain", "--config", tiny_recipe, "--data", data, "--out", out, f"data.pipeline={pipeline}",
+                f"data.cache_dir={tmp_path / 'cache'}", "train.knn_every=0", "train.tensorboard=false")  # fmt: skip
+
+    proc = obow_cli(*proc_args(data, out, pipeline, tmp_path), "optim.epochs=2")
+    for name, side in (("one.png", 1), ("strip.png", 2)):
+        lines = [line for line in proc.err.splitlines() if name in line]
+        assert len(lines) == 1 and f"tiny image {data}" in lines[0] and f"shorter side {side} px" in lines[0], proc.err
+    assert "upscaled more than 4x" in proc.err
+    epochs = [r for r in read_log(out) if r.get("type") == "epoch"]
+    assert [(r["tiny_images"], r["skipped_images"]) for r in epochs] == [(2, 0), (2, 0)]
+    ckpt = load_checkpoint(out / "checkpoint.pt")
+    assert sorted(Path(p).name for p in ckpt["tiny_images"]) == ["one.png", "strip.png"]
+    assert ckpt["skipped_images"] == []
+    extended = obow_cli(*proc_args(data, out, pipeline, tmp_path), "optim.epochs=3")  # resumed: known already
+    assert "WARNING tiny image" not in extended.err
+    assert [r["tiny_images"] for r in read_log(out) if r.get("type") == "epoch"] == [2, 2, 2]

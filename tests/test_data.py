@@ -560,3 +560,27 @@ def test_the_worker_safe_loader_with_the_default_start_method_restores_the_signa
     n = sum(len(batch["index"]) for batch in build_loader(_Numbers(), range(8), 2, num_workers=1))
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     assert (n, multiprocessing.get_start_method(), mask) == (8, multiprocessing.get_all_start_methods()[0], set())
+
+
+def test_tiny_images_are_named_in_their_items(tmp_path):
+    """An image whose shorter side is under ``tiny_below`` is used as it is, and its item names it with that side
+    (``tiny``), for the training loop to report once; ``collate`` gathers a batch's; ``tiny_below`` follows
+    :data:`TINY_UPSCALE` (a quarter of the side the views are made from, rounded up)."""
+    from obow.data.folders import TINY_UPSCALE, tiny_below
+
+    folder = tmp_path / "a"
+    folder.mkdir()
+    for name, size in (("big.png", (32, 32)), ("one.png", (1, 1)), ("strip.png", (2, 50)), ("edge.png", (7, 9))):
+        Image.new("RGB", size, (90, 90, 90)).save(folder / name)
+    images = scan_images(str(tmp_path), labels="folders")
+    assert TINY_UPSCALE == 4 and (tiny_below(28), tiny_below(32), tiny_below(256)) == (7, 8, 64)
+    dataset = ImageDataset(images, tiny_below=7)
+    items = {Path(path).name: dataset[i] for i, path in enumerate(images.paths)}
+    assert {name: item["tiny"] for name, item in items.items()} == {
+        "big.png": (), "edge.png": (), "one.png": ((str(folder / "one.png"), 1),),
+        "strip.png": ((str(folder / "strip.png"), 2),),
+    }  # fmt: skip
+    assert items["one.png"]["image"].size == (1, 1)  # used, not skipped
+    batch = collate([{**item, "image": 0} for item in items.values()])
+    assert sorted(side for _, side in batch["tiny"]) == [1, 2] and batch["skipped"] == []
+    assert all(item["tiny"] == () for item in map(ImageDataset(images).__getitem__, range(4)))  # by default none

@@ -84,3 +84,29 @@ def test_the_command_routes_warnings_unless_python_warnings_are_asked_for(tmp_pa
     else:
         (line,) = proc.stderr.strip().splitlines()
         assert line.endswith(" WARNING mine") and not raw_format(proc.stderr)
+
+
+def test_held_lines_are_shown_in_order_when_released_and_dropped_after_an_error(caplog):
+    """:func:`notices_held`: the ``obow`` log's lines wait for :func:`release_notices` (then come in order, and the
+    next ones pass at once); a block that ends with an error drops what it still holds, so the error is alone."""
+    from obow.notices import notices_held, release_notices
+
+    log = logging.getLogger("obow")
+    with caplog.at_level(logging.INFO, logger="obow"):
+        with notices_held():
+            log.warning("first")
+            log.info("second")
+            assert caplog.messages == []
+            release_notices()
+            assert caplog.messages == ["first", "second"]
+            log.warning("third")
+        assert caplog.messages == ["first", "second", "third"]
+        caplog.clear()
+        with pytest.raises(ValueError, match="bad data"), notices_held():
+            log.warning("a setting")
+            raise ValueError("bad data")
+        assert caplog.messages == []
+        with notices_held():  # never released: shown when the block ends
+            log.warning("kept")
+        log.warning("after")
+    assert caplog.messages == ["kept", "after"]

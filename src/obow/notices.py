@@ -10,13 +10,19 @@ not shown. Anyone who wants Python's own display back asks for it as usual, with
 ``PYTHONWARNINGS``: then nothing is routed.
 
 Code that uses obow as a library sees ordinary Python warnings (filter or record them as usual).
+
+``obow pretrain`` holds its log lines back while it reads the recipe (:func:`notices_held`) and shows them once the
+training images are found (:func:`release_notices`): a missing or empty ``--data`` is then the only line printed,
+not the last line after a warning about a setting of a run that does not start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 log = logging.getLogger("obow")
@@ -49,3 +55,53 @@ def show_warning(
         log.warning("%s", message)
     else:
         log.debug("%s: %s (%s:%d)", category.__name__, message, filename, lineno)
+
+
+class _Held(logging.Filter):
+    """Keeps the records of the ``obow`` logger instead of letting them through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+_held: _Held | None = None
+
+
+@contextlib.contextmanager
+def notices_held() -> Iterator[None]:
+    """Hold the ``obow`` log lines (and so :class:`ObowWarning`) of the block until :func:`release_notices`: those
+    still held when the block ends are shown then, or dropped when it ends with an error, which is then the only
+    line; for a command whose first lines would otherwise come before an error about its input."""
+    global _held
+    held = _held = _Held()
+    log.addFilter(held)
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        log.removeFilter(held)
+        _held = None
+        if not failed:
+            _replay(held)
+
+
+def release_notices() -> None:
+    """Show the lines :func:`notices_held` holds, in order, and let the next ones through (nothing when none are
+    held): called once the input is known to be usable."""
+    global _held
+    if _held is not None:
+        log.removeFilter(_held)
+        _replay(_held)
+        _held = None
+
+
+def _replay(held: _Held) -> None:
+    records, held.records = held.records, []
+    for record in records:
+        log.handle(record)

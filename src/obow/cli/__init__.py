@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from obow.notices import route_warnings
+from obow.notices import notices_held, route_warnings
 
 #: Errors that only a write meets: a read-only file system, a full disk or quota, a file size limit.
 WRITE_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -273,17 +273,19 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         overrides.append(f"data.path={args.data}")
     if args.val is not None:
         overrides.append(f"data.val_path={args.val}")
-    cfg = load_config(args.config, overrides)
-    if cfg.data.path is None:
-        raise ConfigError("no training images: pass --data DIR (or set data.path in the recipe)")
-    out = Path(args.out or Path("runs") / (Path(args.config).stem if args.config else "obow"))
-    from obow.evaluate.monitor import KNNMonitor
-    from obow.training.loop import Interrupted, pretrain
+    # the recipe's warnings wait until the training images are found: a bad --data is then the only line
+    with notices_held():
+        cfg = load_config(args.config, overrides)
+        if cfg.data.path is None:
+            raise ConfigError("no training images: pass --data DIR (or set data.path in the recipe)")
+        out = Path(args.out or Path("runs") / (Path(args.config).stem if args.config else "obow"))
+        from obow.evaluate.monitor import KNNMonitor
+        from obow.training.loop import Interrupted, pretrain
 
-    try:
-        result = pretrain(cfg, out, monitor=KNNMonitor)
-    except Interrupted as err:
-        return err.exit_code
+        try:
+            result = pretrain(cfg, out, monitor=KNNMonitor)
+        except Interrupted as err:
+            return err.exit_code
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, the main process alone says what is next
         return 0
     epochs = result["epochs"]

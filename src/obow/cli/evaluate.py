@@ -7,6 +7,7 @@
     obow eval svm      --checkpoint runs/x/checkpoint.pt --data VOCdevkit/VOC2007 [--costs 0.05 0.1 ...]
     obow eval knn --random-init --arch resnet18 --data DIR --out random.json     # the baseline
     obow eval knn --checkpoint runs/x/checkpoint.pt --data DIR --with-random-init  # both, one after the other
+    obow eval knn --backbone runs/x/backbone.pth --data DIR --with-random-init     # the same for an export
 
 ``DIR`` holds ``train/`` and ``val/`` (or ``test/``) class folders. kNN, linear and fine-tuning train on
 ``train/`` and test on ``val/``; few-shot episodes are drawn from ``val/`` (the paper draws them from the
@@ -15,10 +16,14 @@ ImageNet validation images, appendix "Evaluation protocols in Section 4.1") unle
 ``trainval``, mAP on ``test`` (:mod:`obow.evaluate.svm`).
 Each command prints a small table and writes a JSON report (default ``<checkpoint dir>/eval/<protocol>.json``,
 ``<protocol>_teacher.json`` for ``--network teacher``, ``<protocol>_random_init.json`` for ``--random-init`` of a
-checkpoint's network, ``<backbone dir>/eval/<protocol>_backbone-<backbone file stem>.json`` for ``--backbone``;
-``runs/eval/random_init_<recipe or arch_stem>/<protocol>.json`` for ``--random-init`` without a checkpoint, its
-name made of letters, digits, ``.``, ``_`` and ``-`` only). ``--with-random-init`` evaluates the checkpoint's
-network at its random initialisation (same seed, view and data) after the checkpoint, into its own report.
+checkpoint's network, ``<backbone dir>/eval/<protocol>_backbone-<name>.json`` for ``--backbone`` (``<name>``: the
+file's stem for a ``.pth`` file, its whole name otherwise) and ``<protocol>_random_init_backbone-<name>.json`` for
+the random initialisation of its network; ``runs/eval/random_init_<recipe or arch_stem>/<protocol>.json`` for
+``--random-init`` without a checkpoint, its name made of letters, digits, ``.``, ``_`` and ``-`` only). A default
+report that is another file's (two checkpoints in one folder share ``eval/<protocol>.json``) is not replaced: the
+command stops before its work and asks for ``--out``. ``--with-random-init`` evaluates the network of the
+checkpoint or backbone file at its random initialisation (same seed, view and data) after the trained weights,
+into its own report.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import json
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -125,12 +131,17 @@ def _common_options(data_help: str) -> argparse.ArgumentParser:
         help="instead of --checkpoint: a file written by `obow export` (--format torchvision or timm), read with "
         "the FILE.json beside it (without it the network is recognised from the weights; --stem if needed)",
     )
-    src.add_argument("--random-init", action="store_true", help="a randomly initialised network (the baseline)")
+    src.add_argument(
+        "--random-init",
+        action="store_true",
+        help="a randomly initialised network (the baseline): that of --checkpoint, --backbone or --config, or --arch",
+    )
     src.add_argument(
         "--with-random-init",
         action="store_true",
-        help="with --checkpoint: then the same network at its random initialisation (same seed, view and data), "
-        "its table below and its own report (<protocol>_random_init.json)",
+        help="with --checkpoint or --backbone: then the same network at its random initialisation (same seed, view "
+        "and data), its table below and its own report (<protocol>_random_init.json, "
+        "<protocol>_random_init_backbone-<name>.json)",
     )
     src.add_argument(
         "--arch",
@@ -151,8 +162,9 @@ def _common_options(data_help: str) -> argparse.ArgumentParser:
     run.add_argument(
         "--out",
         help="JSON report (default <checkpoint dir>/eval/<protocol>.json (_teacher, _random_init: their own), "
-        "<backbone dir>/eval/<protocol>_backbone-<backbone file stem>.json for --backbone, or for --random-init "
-        "without a checkpoint runs/eval/random_init_<recipe, or arch_stem>/<protocol>.json)",
+        "<backbone dir>/eval/<protocol>_backbone-<name>.json for --backbone (name: the file's stem for .pth, else "
+        "its name), or for --random-init without a checkpoint runs/eval/random_init_<recipe, or "
+        "arch_stem>/<protocol>.json; a default report of another file is not replaced)",
     )
     run.add_argument(
         "--size",
@@ -176,17 +188,22 @@ def _common_options(data_help: str) -> argparse.ArgumentParser:
 
 
 def with_baseline(runner: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """``runner``, and with ``--with-random-init`` the same protocol again on the checkpoint's network at its
-    random initialisation, into its own report (``<protocol>_random_init.json``, or beside ``--out``)."""
+    """``runner``, and with ``--with-random-init`` the same protocol again on the network of the checkpoint or
+    backbone file at its random initialisation, into its own report (:func:`report_name`, or beside ``--out``)."""
 
     @functools.wraps(runner)
     def run(args: argparse.Namespace) -> int:
         if not args.with_random_init:
             return runner(args)
-        if args.checkpoint is None or args.random_init:
+        if args.random_init:
             raise ValueError(
-                "--with-random-init evaluates a --checkpoint's network and then the same network at its random "
-                "initialisation; give --checkpoint (and not --random-init)"
+                "--with-random-init evaluates trained weights and then their network at its random initialisation; "
+                "--random-init leaves no trained weights: drop one of the two"
+            )
+        if args.checkpoint is None and args.backbone is None:
+            raise ValueError(
+                "--with-random-init evaluates trained weights and then their network at its random initialisation: "
+                "give the weights, --checkpoint or --backbone"
             )
         baseline_out = None
         if args.out:  # beside the checkpoint's report, not over it
@@ -420,6 +437,8 @@ class _Run:
         self.view_reason = ""
         self.device = device_from_name(args.device)
         self.out = check_writable(self._out_path())  # now, not after the evaluation
+        if not args.out:
+            check_not_another(self.out, self.info)
         self.skipped: list[str] = []
         self._data_info: dict[str, Any] = {}
 
@@ -444,6 +463,7 @@ class _Run:
             recipe = None
             if self.info["kind"] == "random_init":  # a recipe's view, but nothing trained with it
                 recipe = f"recipe {self.args.config}" if self.args.config else "the checkpoint's recipe"
+                recipe = "the backbone file's recipe" if self.args.backbone else recipe
                 recipe += " (its network, untrained)"
             self._views, self.view_reason = choose_view(
                 self.info["views"], images, self.args.resize, self.args.size, recipe=recipe
@@ -463,7 +483,7 @@ class _Run:
         if anchor is None:  # a random initialisation of --config or --arch / --stem: a folder of its own
             name = Path(self.args.config).stem if self.args.config else f"{self.info['arch']}_{self.info['stem']}"
             return Path("runs") / "eval" / f"random_init_{safe_name(name)}" / f"{self.protocol}.json"
-        return Path(anchor).parent / "eval" / f"{report_name(self.protocol, self.info)}.json"
+        return Path(anchor).parent / "eval" / f"{report_name(self.protocol, self.info, self.args.backbone)}.json"
 
     def train_dir(self) -> Path:
         path = self.data / "train"
@@ -556,17 +576,39 @@ class _Run:
         print(f"wrote {self.out}")
 
 
-def report_name(protocol: str, info: dict[str, Any]) -> str:
+def report_name(protocol: str, info: dict[str, Any], backbone_file: str | None = None) -> str:
     """The default report's name in ``<dir>/eval/``, one per source so that none overwrites another:
     ``<protocol>`` for a checkpoint's student, ``<protocol>_teacher`` for its teacher, ``<protocol>_random_init``
-    for a random initialisation of its network, ``<protocol>_backbone-<file stem>`` for an exported backbone file
-    (an export usually lies in its checkpoint's folder; the ``backbone-`` prefix keeps an export named
-    ``teacher.pth`` or ``random_init.pth`` off the checkpoint's own reports)."""
+    for a random initialisation of its network; for an exported ``backbone_file``,
+    ``<protocol>_backbone-<name>`` and ``<protocol>_random_init_backbone-<name>`` for its network at random init,
+    where ``<name>`` is the file's stem for a ``.pth`` file (``backbone.pth``: ``backbone``) and its whole name
+    otherwise (``backbone.safetensors``), so that two exports of one stem keep a report each. An export usually
+    lies in its checkpoint's folder; the ``backbone-`` prefix keeps one named ``teacher.pth`` or
+    ``random_init.pth`` off the checkpoint's own reports."""
+    if backbone_file is not None:
+        path = Path(backbone_file)
+        name = path.stem if path.suffix == ".pth" else path.name
+        return f"{protocol}{'_random_init' if info['kind'] == 'random_init' else ''}_backbone-{name}"
     if info["kind"] == "random_init":
         return f"{protocol}_random_init"
-    if info["kind"] == "exported":
-        return f"{protocol}_backbone-{Path(info['path']).stem}"
     return f"{protocol}_teacher" if info["network"] == "teacher" else protocol
+
+
+def check_not_another(report: Path, info: dict[str, Any]) -> None:
+    """Refuse to replace the default ``report`` when it is the report of another file (a checkpoint or export of
+    another name in the same folder, such as ``checkpoints/epoch_0010.pt`` and ``epoch_0020.pt``, which share
+    ``eval/<protocol>.json``); a report of the same file, or a file that is no report, is replaced. Files are
+    told apart by name and kind (the report lies beside them, so their folder is the same)."""
+    try:
+        source = json.loads(report.read_text())["source"]
+        recorded = (source["kind"], source["path"] and Path(source["path"]).name)
+    except (OSError, ValueError, TypeError, KeyError):
+        return
+    if recorded != (info["kind"], info["path"] and Path(info["path"]).name):
+        raise ValueError(
+            f"{report} is the report of {source['path'] or 'a random initialisation'} ({source['kind']}), not of "
+            f"{info['path'] or 'a random initialisation'}: it is not replaced; give --out for this report"
+        )
 
 
 def safe_name(name: str) -> str:

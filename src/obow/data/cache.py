@@ -15,7 +15,8 @@ filter to ``S``. ``S`` is ``data.cache_size`` when set; otherwise the images' ow
 of one size (CIFAR-10, the 160 px Imagenette: no resampling at all), else the largest view that the recipe
 makes before cropping (``max(views.teacher_resize, views.patch_grid_size)``). Non-square images lose their edges
 outside the central square (the worker pipeline's random crops may reach them): the header counts them.
-Unreadable files are left out, with one warning that counts them.
+Unreadable files are left out, with one warning that counts them. Tiny images (:data:`~obow.data.folders.TINY_UPSCALE`)
+are kept, and the loader names them in its batches, for the run to report each once, as the worker pipeline does.
 """
 
 from __future__ import annotations
@@ -26,19 +27,21 @@ import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
-from obow.data.folders import ImageList, load_rgb
+from obow.data.folders import ImageList, load_rgb, tiny_below
 
 log = logging.getLogger("obow")
 
-#: Bumped when the file layout or the decoding changes, so that old caches are not read.
-CACHE_VERSION = 1
+#: Bumped when the file layout, the decoding or the metadata changes, so that old caches are not read (2: the
+#: images' shorter sides recorded).
+CACHE_VERSION = 2
 #: Caches kept per folder and side: the most recently used ones (a folder's subsets, ``data.images_per_class``,
 #: each have their own); older ones, and those of a folder's earlier contents, are removed when one is written.
 KEEP_PER_FOLDER = 3
@@ -47,7 +50,8 @@ KEEP_PER_FOLDER = 3
 @dataclass
 class ImageCache:
     """Decoded images ``pixels`` ``[N, 3, side, side]`` (uint8, CPU; a NumPy array, possibly memory-mapped) of
-    ``images`` (the readable ones, in the folder's order), the file they live in, and where they are held."""
+    ``images`` (the readable ones, in the folder's order), the file they live in, and where they are held;
+    ``tiny``: the tiny ones among them for the views the cache was asked for (position -> shorter side)."""
 
     pixels: np.ndarray
     images: ImageList
@@ -55,6 +59,7 @@ class ImageCache:
     file: Path
     where: str  # "memory" or "memory-mapped"
     not_square: int  # images whose edges outside the central square were cut
+    tiny: dict[int, int] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -67,6 +72,7 @@ class ImageCache:
     def describe(self) -> str:
         """One line for the run's header: how many images, their size, the bytes held and where."""
         cut = f"; {self.not_square} non-square images cut to their central square" if self.not_square else ""
+        cut += f"; {len(self.tiny)} tiny images upscaled" if self.tiny else ""
         return (
             f"{len(self.images)} images decoded to {self.side} px squares, {self.nbytes / 2**20:.0f} MiB "
             f"{'in memory' if self.where == 'memory' else 'memory-mapped'} from {self.file}{cut}"
@@ -98,30 +104,32 @@ def folder_key(root: str) -> str:
     return hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:12]
 
 
-def sizes_summary(images: ImageList) -> dict[str, int | None]:
+def sizes_summary(images: ImageList) -> dict[str, Any]:
     """What the cached side depends on, from the images' headers: ``one_size`` (their side when all are squares of
-    one size, else ``None``) and ``not_square`` (how many are not square). Reading 50,000 CIFAR-10 headers took
-    8 s here, so every cache's metadata records it and a later run on the same contents reads it from there."""
-    sizes = []
+    one size, else ``None``), ``not_square`` (how many are not square), and ``shorter``: each image's shorter side
+    (0 when unreadable), which tells the tiny ones. Reading 50,000 CIFAR-10 headers took 8 s here, so every cache's
+    metadata records it and a later run on the same contents reads it from there."""
+    sizes: list[tuple[int, int] | None] = []
     for path in images.paths:
         try:
             with Image.open(path) as img:
                 sizes.append(img.size)
         except Exception:  # unreadable: left out when decoding, counted there
-            continue
-    not_square = sum(1 for w, h in sizes if w != h)
-    one_size = sizes[0][0] if sizes and not_square == 0 and len(set(sizes)) == 1 else None
-    return {"one_size": one_size, "not_square": not_square}
+            sizes.append(None)
+    read = [size for size in sizes if size is not None]
+    not_square = sum(1 for w, h in read if w != h)
+    one_size = read[0][0] if read and not_square == 0 and len(set(read)) == 1 else None
+    return {"one_size": one_size, "not_square": not_square, "shorter": [min(s) if s else 0 for s in sizes]}
 
 
-def choose_side(summary: dict[str, int | None], views_side: int, cache_size: int | None) -> int:
+def choose_side(summary: dict[str, Any], views_side: int, cache_size: int | None) -> int:
     """The cached side ``S`` (see the module's docstring) for images of :func:`sizes_summary` ``summary``."""
     if cache_size is not None:
         return cache_size
     return summary["one_size"] or views_side
 
 
-def known_summary(folder: Path, prefix: str) -> dict[str, int | None] | None:
+def known_summary(folder: Path, prefix: str) -> dict[str, Any] | None:
     """The :func:`sizes_summary` recorded by a cache of the same contents (any side), if there is one."""
     for meta in folder.glob(f"{prefix}-*px.json"):
         with contextlib.suppress(OSError, ValueError):
@@ -173,10 +181,12 @@ def build_cache(
         pixels, where = np.memmap(file, dtype=np.uint8, mode="r", shape=shape), "memory-mapped"
     labels = None if images.labels is None else [images.labels[i] for i in kept]
     readable = replace(images, paths=[images.paths[i] for i in kept], labels=labels)
-    return ImageCache(pixels, readable, side, file, where, sizes["not_square"])
+    below, shorter = tiny_below(views_side), sizes["shorter"]
+    tiny = {position: shorter[i] for position, i in enumerate(kept) if shorter[i] < below}
+    return ImageCache(pixels, readable, side, file, where, sizes["not_square"], tiny)
 
 
-def _write_cache(images: ImageList, side: int, folder: Path, key: str, sizes: dict[str, int | None]) -> None:
+def _write_cache(images: ImageList, side: int, folder: Path, key: str, sizes: dict[str, Any]) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         names = names_key(images)

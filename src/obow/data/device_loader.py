@@ -1,10 +1,11 @@
 """``data.pipeline: device``: batches of views made on the training device from decoded images.
 
 :class:`DeviceLoader` stands where the ``DataLoader`` of :func:`obow.data.folders.build_loader` stands in the
-training loop and yields the same batches (``{"image": views, "skipped": []}``), but no worker process decodes or
-augments anything: the images come decoded from an :class:`obow.data.cache.ImageCache` (held on the GPU when it
-fits in a quarter of its free memory, else gathered per batch on the CPU and copied), and
-:class:`obow.data.batched_views.BatchedViews` makes all views of a batch with a few batched kernels.
+training loop and yields the same batches (``{"image": views, "skipped": [], "tiny": [(path, shorter side)]}``),
+but no worker process decodes or augments anything: the images come decoded from an
+:class:`obow.data.cache.ImageCache` (held on the GPU when it fits in a quarter of its free memory, else gathered per
+batch on the CPU and copied), and :class:`obow.data.batched_views.BatchedViews` makes all views of a batch with a
+few batched kernels.
 
 The order of the images is the :class:`~obow.data.folders.EpochSampler`'s, and the random parameters of global
 batch ``b`` of epoch ``e`` are drawn from a generator seeded with ``sample_seed(seed, e, b * G)``: a resumed
@@ -89,7 +90,8 @@ class DeviceLoader:
             images = self.resident[index.to(self.resident.device)]
         else:
             images = self.cache.batch(index).pin_memory() if self.device.type == "cuda" else self.cache.batch(index)
-        return {"image": self.render(images.to(self.device, non_blocking=True), params), "skipped": []}
+        tiny = [(self.cache.images.paths[i], self.cache.tiny[i]) for i in indices if i in self.cache.tiny]
+        return {"image": self.render(images.to(self.device, non_blocking=True), params), "skipped": [], "tiny": tiny}
 
 
 T = TypeVar("T")

@@ -4,8 +4,9 @@
   used by the official code) or as one unlabelled pile.
 - :func:`load_rgb` turns any common file (JPEG, PNG, WebP, BMP, TIFF; grayscale, 16-bit, palette, CMYK,
   alpha, EXIF-rotated) into an RGB PIL image.
-- :class:`ImageDataset` skips unreadable files instead of crashing a long run, and applies its transform
-  under a per-sample seed, so that a sample's views depend only on ``(index, seed)``.
+- :class:`ImageDataset` skips unreadable files instead of crashing a long run, names the tiny images it uses
+  (:data:`TINY_UPSCALE`), and applies its transform under a per-sample seed, so that a sample's views depend only
+  on ``(index, seed)``.
 - :class:`EpochSampler` yields those ``(index, seed)`` keys: a per-epoch permutation, split between processes
   so that the ranks' batches together are exactly the single-process batch, and resumable mid-epoch.
 """
@@ -41,6 +42,16 @@ MAX_READ_TRIES = 32
 #: Modes whose pixels do not fit 8 bits; PIL's own convert("RGB") would clip them to 255.
 _HIGH_DEPTH_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
 _ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
+#: An image is *tiny* when the views would upscale it more than this: its shorter side is under a quarter of the
+#: side the views are made from (:func:`obow.methods.views_side`), e.g. under 64 px for the ImageNet recipes (256 px)
+#: and under 12 px for the CIFAR-10 ones (46 px). A run uses it as it is and reports it once (``tiny_images``): a
+#: 1 px image is one flat colour in every view, a 2x50 px strip a few stretched pixels.
+TINY_UPSCALE = 4
+
+
+def tiny_below(views_side: int) -> int:
+    """The shorter side under which an image is tiny for views made from ``views_side`` px images."""
+    return -(-views_side // TINY_UPSCALE)
 
 
 @dataclass
@@ -239,15 +250,19 @@ class ImageDataset(Dataset):
     :class:`EpochSampler`) seeds torch and ``random`` with ``seed`` first, so the sample depends only on
     ``(i, seed)``, whichever worker process produces it. A file that cannot be read (corrupt, truncated,
     empty, not an image) is remembered and replaced by the next index, up to ``MAX_READ_TRIES`` in a row;
-    the sample reports the paths it skipped. Items are ``{"image", "label" (-1 when unlabelled), "index"
-    (the index actually used), "skipped" (a tuple of paths)}``.
+    the sample reports the paths it skipped. An image whose shorter side is under ``tiny_below`` is used as it is
+    and named in the sample with that side. Items are ``{"image", "label" (-1 when unlabelled), "index" (the index
+    actually used), "skipped" (a tuple of paths), "tiny" (``((path, shorter side),)`` or ``()``)}``.
     """
 
-    def __init__(self, images: ImageList, transform: Callable[[Image.Image], Any] | None = None) -> None:
+    def __init__(
+        self, images: ImageList, transform: Callable[[Image.Image], Any] | None = None, tiny_below: int = 0
+    ) -> None:
         if len(images) == 0:
             raise ValueError(f"no images to build a dataset from under {images.root}")
         self.images = images
         self.transform = transform
+        self.tiny_below = tiny_below
         #: Paths found unreadable by this process, not opened again.
         self.unreadable: set[str] = set()
 
@@ -260,6 +275,8 @@ class ImageDataset(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} is out of range for {len(self)} images")
         img, index, skipped = self._read(index)
+        side = min(img.size)
+        tiny = ((self.images.paths[index], side),) if side < self.tiny_below else ()
         if self.transform is not None:
             if seed is None:
                 img = self.transform(img)
@@ -267,7 +284,7 @@ class ImageDataset(Dataset):
                 with _seeded(operator.index(seed)):
                     img = self.transform(img)
         label = self.images.labels[index] if self.images.labels is not None else -1
-        return {"image": img, "label": label, "index": index, "skipped": skipped}
+        return {"image": img, "label": label, "index": index, "skipped": skipped, "tiny": tiny}
 
     def _read(self, index: int) -> tuple[Image.Image, int, tuple[str, ...]]:
         """The first readable image from ``index`` on, the index it came from and the paths skipped."""
@@ -292,15 +309,14 @@ class ImageDataset(Dataset):
 
 
 def collate(batch: list[dict[str, Any]]) -> dict[str, Any]:
-    """Stack a list of :class:`ImageDataset` items; ``"skipped"`` becomes one flat list of paths.
+    """Stack a list of :class:`ImageDataset` items; ``"skipped"`` and ``"tiny"`` become flat lists.
 
     Views from :class:`~obow.data.transforms.OBoWViews` collate to ``{"teacher": [B, 3, T, T], "crops":
     [B, n, 3, c, c], "patches": [B, 5, 3, p, p]}`` (official notes 4).
     """
-    skipped = [path for item in batch for path in item["skipped"]]
-    out = default_collate([{k: v for k, v in item.items() if k != "skipped"} for item in batch])
-    out["skipped"] = skipped
-    return out
+    listed = {key: [entry for item in batch for entry in item.get(key, ())] for key in ("skipped", "tiny")}
+    out = default_collate([{k: v for k, v in item.items() if k not in listed} for item in batch])
+    return {**out, **listed}
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:

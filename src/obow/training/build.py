@@ -19,7 +19,7 @@ from obow.config import Config
 from obow.data.batched_views import compiled_render
 from obow.data.cache import ImageCache, build_cache
 from obow.data.device_loader import DeviceLoader
-from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loader, scan_images
+from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loader, scan_images, tiny_below
 from obow.methods import build_batched_views, build_method, build_views, views_side
 from obow.methods.base import Method
 from obow.training import compiled as compiled_module
@@ -96,7 +96,7 @@ def build_data(
         log_main("Data: views made on the %s%s from %s%s", device.type, how, cache.describe(), held)
         return images, sampler, loader
     loader = build_loader(
-        ImageDataset(images, build_views(cfg)),
+        ImageDataset(images, build_views(cfg), tiny_below=tiny_below(views_side(cfg.views))),
         sampler,
         local_batch,
         num_workers=cfg.data.num_workers,

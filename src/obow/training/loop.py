@@ -35,8 +35,9 @@ from torch import nn
 
 from obow import distributed as D
 from obow.config import Config
-from obow.data.folders import EpochSampler, ImageList, scan_images
+from obow.data.folders import TINY_UPSCALE, EpochSampler, ImageList, scan_images
 from obow.methods.base import Method
+from obow.notices import release_notices
 from obow.schedules import learning_rate
 from obow.training.build import (
     build_data,
@@ -173,6 +174,7 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
         raise RunError(why)
     # and the images found before it too: an empty --data leaves no folder with a config.yaml and a lock behind
     images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
+    release_notices()  # the lines `obow pretrain` held until the images were found
     with RunLock(out, device=device):  # one writer per run folder, from here to the end
         settled = settle_run(cfg, out, device)
         with chosen_threads(settled.threads, settled.threads_why, workers=settled.pipeline == "workers"):
@@ -284,7 +286,7 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
         state.epoch_steps += 1
         for key, total in state.epoch_sums.items():
             total += metrics.get(key, 0.0)
-        note_skipped(state, batch["skipped"])
+        note_skipped(state, batch["skipped"], batch.get("tiny", ()))
         if logged:
             values = {k: float(v) for k, v in metrics.items()}
             if not math.isfinite(values["loss"]):
@@ -309,6 +311,7 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
         **{name: means[key] for key, name in EPOCH_MEANS.items()},
         "epoch_time_s": state.epoch_time(),
         "skipped_images": len(state.skipped),
+        "tiny_images": len(state.tiny),
     }
 
 
@@ -330,12 +333,20 @@ def train_step(run: Run, views: dict[str, torch.Tensor], lr: float) -> dict[str,
     return run.step(teacher_images, student_views, lr)
 
 
-def note_skipped(state: RunState, skipped: list[str]) -> None:
-    """Count the unreadable images of a batch (each reported once)."""
+def note_skipped(state: RunState, skipped: list[str], tiny: Iterable[tuple[str, int]] = ()) -> None:
+    """Count the unreadable images of a batch, and the tiny ones it used (each reported once)."""
     new = set(skipped) - state.skipped
     for path in sorted(new):
         log.warning("skipped unreadable image %s", path)
     state.skipped |= new
+    for path, side in sorted({(path, side) for path, side in tiny if path not in state.tiny}):
+        log.warning(
+            "tiny image %s (shorter side %d px): upscaled more than %dx into the views, used all the same",
+            path,
+            side,
+            TINY_UPSCALE,
+        )
+        state.tiny.add(path)
 
 
 def make_monitor(

@@ -91,7 +91,7 @@ class Interrupted(Exception):
 @dataclass
 class RunState:
     """Where a run stands: ``epoch`` epochs done, ``batch_in_epoch`` batches into the next one, ``iteration``
-    optimiser steps in all; the per-epoch records and the unreadable images met so far; and this process's
+    optimiser steps in all; the per-epoch records, the unreadable and the tiny images met so far; and this process's
     share of the epoch under way: the running ``epoch_sums`` of the step metrics averaged in its record (over
     ``epoch_steps`` steps) and the ``epoch_seconds`` spent in it before :attr:`segment_start`."""
 
@@ -100,6 +100,7 @@ class RunState:
     iteration: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     skipped: set[str] = field(default_factory=set)
+    tiny: set[str] = field(default_factory=set)
     epoch_sums: dict[str, Any] = field(default_factory=dict)
     epoch_steps: int = 0
     epoch_seconds: float = 0.0
@@ -209,6 +210,7 @@ def restore(
         iteration=epoch * iters_per_epoch + batch,
         history=ckpt.get("history", []),
         skipped=set(ckpt.get("skipped_images", [])),
+        tiny=set(ckpt.get("tiny_images", [])),
         epoch_sums=this_process_sums(progress.get("sums", [])),
         epoch_steps=progress.get("steps", 0),
         epoch_seconds=progress.get("seconds", 0.0),
@@ -262,6 +264,7 @@ def save_run(
             "sums": [p["sums"] for p in everyone],
         },
         skipped_images=sorted(state.skipped),
+        tiny_images=sorted(state.tiny),
         history=state.history,
     )
     save_atomic(ckpt, out / "checkpoint.pt", keep_previous=True)

@@ -53,10 +53,10 @@ def load_backbone(
     """A :class:`~obow.backbones.ResNetBackbone` and a description of where its weights came from.
 
     Give a pretraining ``checkpoint`` (``network`` picks the student or the EMA teacher), or an exported
-    ``backbone_file``, or ``random_init=True`` (seeded by ``seed``; the architecture comes from
-    ``checkpoint``'s recipe when one is given, else from ``arch`` and ``stem``). ``arch`` and ``stem``, when
-    given with a file, are the architecture the caller expects: a file holding another raises ``ValueError``
-    naming both.
+    ``backbone_file``, or ``random_init=True`` (seeded by ``seed``; the architecture comes from ``checkpoint``'s
+    recipe, or from what ``backbone_file`` is read as, when one is given, else from ``arch`` and ``stem``).
+    ``arch`` and ``stem``, when given with a file, are the architecture the caller expects: a file holding
+    another raises ``ValueError`` naming both.
 
     The description holds ``kind`` (``"checkpoint"``, ``"exported"`` or ``"random_init"``), ``path``,
     ``network``, ``epoch``, ``iteration``, ``arch``, ``stem``, ``seed`` (random init) and ``views``: the
@@ -67,8 +67,6 @@ def load_backbone(
         check_choice("stem", stem, STEMS)
     if checkpoint is not None and backbone_file is not None:
         raise ValueError("give either a pretraining checkpoint or an exported backbone file, not both")
-    if random_init and backbone_file is not None:
-        raise ValueError("random_init builds a fresh network; it cannot be combined with an exported backbone file")
     if checkpoint is None and backbone_file is None and not random_init:
         raise ValueError("nothing to evaluate: give a checkpoint, an exported backbone file or random_init=True")
 
@@ -93,7 +91,11 @@ def load_backbone(
         return backbone, info
 
     if backbone_file is not None:
-        return _load_exported(Path(backbone_file), arch, stem)
+        backbone, info = _load_exported(Path(backbone_file), arch, stem)
+        if random_init:  # the file's network afresh, as a checkpoint's: its seed alone fixes the weights
+            backbone = _random_backbone(info["arch"], info["stem"], seed, info["arch_options"])
+            return backbone, {**info, **_random_info(seed)}
+        return backbone, info
 
     if arch is None:
         raise ValueError("a random initialisation without a checkpoint needs an architecture: give arch (--arch)")

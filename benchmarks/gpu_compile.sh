@@ -12,7 +12,9 @@
 # Writes to $OUT: summary.txt (one line per part), all.log, checks.json and checks_moco.json (benchmarks/gpu_compile.py),
 # render.json (benchmarks/render.py), throughput.json and throughput.md (benchmarks/throughput.py), monitor.json
 # (benchmarks/monitor.py).
-# Parts, in order:
+# Parts, in order (the two that compile no training step first: the step compiled for over 140 s on an H200, and
+# benchmarks/gpu_graph.sh, the graphed step, comes before this pass):
+#   render, monitor: below;
 #   checks: train.compile=step replayed as CUDA graphs (mode reduce-overhead) on cifar10_resnet18 at batch 512:
 #           CUDA-graph skips (must be 0, with Inductor's reasons), graph breaks, and unlogged steps under
 #           torch.cuda.set_sync_debug_mode("error") (must raise nothing); checks_moco: the same for MoCo v2;
@@ -58,19 +60,20 @@ FAST="train.precision=bf16 train.channels_last=true"
 TP="python3 benchmarks/throughput.py --device $DEVICE --pipelines device --cache-dir $CACHE --json $OUT/throughput.json --compile $MODES --compile-mode reduce-overhead --measures end_to_end step $TPX"
 
 part env 20 bash -c machine
+# first the parts that compile no step (a whole step compiled for over 140 s on an H200: docs/gpu.md)
+# the device pipeline's render, eager against compiled (what train.compile=step renders with on a GPU), at batch 512
+part render 90 python3 benchmarks/render.py --device "$DEVICE" --json "$OUT/render.json" $RX --config cifar10_resnet18 $B_CHECK
+# the kNN monitor's pass, reading its images every pass against keeping them decoded (what a run does now)
+part monitor 60 python3 benchmarks/monitor.py --device "$DEVICE" --json "$OUT/monitor.json" --config cifar10_resnet18 \
+    --train "$C10/train" --val "$C10/test" $MX
 part checks 150 python3 benchmarks/gpu_compile.py --device "$DEVICE" --cache-dir "$CACHE" --json "$OUT/checks.json" $CHX \
     --config cifar10_resnet18 --data "$C10/train" $B_CHECK $FAST
 # MoCo v2: its shuffled batch norm's randperm and its queue's index_copy_ inside the CUDA graphs
 part checks_moco 120 python3 benchmarks/gpu_compile.py --device "$DEVICE" --cache-dir "$CACHE" --json "$OUT/checks_moco.json" \
     $CHX --config cifar10_resnet18 --data "$C10/train" $B_CHECK $FAST model.method=mocov2 moco.queue_size=4096
-# the device pipeline's render, eager against compiled (what train.compile=step renders with on a GPU), at batch 512
-part render 90 python3 benchmarks/render.py --device "$DEVICE" --json "$OUT/render.json" $RX --config cifar10_resnet18 $B_CHECK
 part c10r18 200 $TP --config cifar10_resnet18 --data "$C10/train" $B_REC $FAST
 part c10fast 200 $TP --config cifar10_fast --data "$C10/train" $B_REC $FAST
 part in20 200 $TP --config imagenet20_resnet18_full --data "$INETTE/train" $B_REC data.images_per_class=null $FAST
 part r50 250 $TP --config imagenet_resnet50_full --data "$INETTE/train" $B_R50 data.images_per_class=null $FAST
-# the kNN monitor's pass, reading its images every pass against keeping them decoded (what a run does now)
-part monitor 60 python3 benchmarks/monitor.py --device "$DEVICE" --json "$OUT/monitor.json" --config cifar10_resnet18 \
-    --train "$C10/train" --val "$C10/test" $MX
 grep -h -A8 "alternating" "$OUT/all.log" | grep "^|\|alternating" > "$OUT/throughput.md"
 echo "total $(($(date +%s) - T0))s" | tee -a "$OUT/summary.txt"

@@ -15,8 +15,11 @@ pipelines in a rotated order each round):
 The step computes the collapse diagnostics on every ``train.log_every``-th step, as ``obow pretrain`` does
 (``--diagnose every logged`` times both settings in the same rounds). ``--compile off networks step`` times each
 ``train.compile`` setting in the same alternating rounds (``--compile-mode reduce-overhead``: the compiled step
-replayed as CUDA graphs); the warm-up, which compiles (its first step a logged one, so that the logged variant is
-compiled before the timing), is timed apart and reported as ``warmup_s``. Before each timing of a worker loader, the
+replayed as CUDA graphs; ``graph``: the eager step captured as one CUDA graph, ``--stand-in`` its CPU stand-in);
+the warm-up, which compiles or captures (its first step a logged one, so that the logged variant is compiled before
+the timing), is timed apart and reported as ``warmup_s``. ``--jsonl FILE`` appends every measurement (each warm-up,
+each round of each measure, with the GPU's peak memory and a graphed step's capture time) as a JSON line the moment
+it is made, so that a pass stopped by its time limit keeps what it measured. Before each timing of a worker loader, the
 batches its workers had prefetched meanwhile are taken untimed, so that a buffer filled during another
 measurement is not counted. Images per second count source images (each
 makes the recipe's teacher view, crops and patches). Prints a Markdown table; ``--json`` writes the numbers.
@@ -45,7 +48,9 @@ import torch
 from obow.config import Config, load_config
 from obow.data.folders import scan_images
 from obow.training import compiled as compiled_module
+from obow.training import graphed as graphed_module
 from obow.training.build import build_data, build_model, build_optimizer, prepare_step_model
+from obow.training.graphed import GraphedStep
 from obow.training.loop import Run, train_step
 from obow.training.settle import resolve_pipeline
 from obow.training.steps import build_step, check_step_mode
@@ -129,6 +134,45 @@ def timed(setup: Setup, what: str, steps: int, device: torch.device) -> float:
 MEASURES = ("end_to_end", "loader", "step")
 
 
+def graph_state(setup: Setup) -> dict[str, Any]:
+    """A graphed step's state (``train.compile=graph``): captured, its capture's seconds, replays, why it stayed
+    eager; nothing for another step."""
+    step_ = setup.run.step
+    if not isinstance(step_, GraphedStep):
+        return {}
+    return {"captured": step_.captured, "capture_s": step_.capture_s, "replays": step_.replays,
+            "eager_why": step_.eager_why}  # fmt: skip
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """The GPU memory peak since the last reset, in GiB (nothing on a CPU)."""
+    if device.type != "cuda":
+        return {}
+    return {"peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3)}
+
+
+class Records:
+    """``record(**fields)``: one JSON line appended to ``path`` at once (flushed), with the time since the start;
+    nothing without a path."""
+
+    def __init__(self, path: str | None, common: dict[str, Any]) -> None:
+        self.path = Path(path) if path else None
+        self.common = common
+        self.start = time.perf_counter()
+
+    def __call__(self, **fields: Any) -> None:
+        if self.path is None:
+            return
+        line = {**self.common, **fields, "t_s": round(time.perf_counter() - self.start, 2)}
+        with self.path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
 def benchmark_config(
     config: str, data: str, pipeline: str, workers: int, device: torch.device, cache_dir: str | None, overrides: list
 ) -> Config:
@@ -168,8 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         nargs="+",
         default=None,
-        choices=["off", "networks", "step"],
+        choices=["off", "networks", "step", "graph"],
         help="train.compile settings timed in the same rounds (default: the recipe's own)",
+    )
+    parser.add_argument(
+        "--stand-in",
+        action="store_true",
+        help="train.compile=graph on a CPU: the tape that stands in for a CUDA graph (a dry run of the plumbing)",
+    )
+    parser.add_argument(
+        "--jsonl",
+        default=None,
+        help="append each measurement here as a JSON line the moment it is made (a pass cut short keeps them)",
     )
     parser.add_argument(
         "--compile-mode",
@@ -195,6 +249,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     compiled_module.BACKEND = args.compile_backend
+    graphed_module.STAND_IN = args.stand_in
+    record = Records(args.jsonl, {"config": args.config, "overrides": args.overrides, "device": args.device})
     cudagraphs = args.compile_mode == "reduce-overhead" and device.type == "cuda" and args.compile_backend == "inductor"
     if cudagraphs:
         compiled_module.OPTIONS = {"triton.cudagraphs": True}  # what torch.compile's mode="reduce-overhead" sets
@@ -221,13 +277,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         step(setup, setup.fixed)
         synchronize(device)
         warmup_s[setup.name] = time.perf_counter() - start
+        record(setting=setup.name, measure="warmup", seconds=warmup_s[setup.name], steps=args.warmup + 1,
+               **graph_state(setup), **peak_memory(device))  # fmt: skip
     measures = [m for m in MEASURES if m in args.measures]
     times: dict[str, dict[str, list[float]]] = {s.name: {m: [] for m in measures} for s in setups}
     for r in range(args.rounds):
         shift = r % len(setups)
         for setup in setups[shift:] + setups[:shift]:
             for what in measures:
-                times[setup.name][what].append(timed(setup, what, args.steps, device))
+                reset_peak_memory(device)
+                seconds = timed(setup, what, args.steps, device)
+                times[setup.name][what].append(seconds)
+                images_per_s = args.steps * setup.cfg.data.batch_size / seconds
+                record(setting=setup.name, measure=what, round=r, seconds=seconds, steps=args.steps,
+                       batch=setup.cfg.data.batch_size, images_per_s=images_per_s, **graph_state(setup),
+                       **peak_memory(device))  # fmt: skip
     cfg = setups[0].cfg
     batch = cfg.data.batch_size
     rates = {
@@ -265,7 +329,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "overrides": args.overrides,
         "images_per_s": rates,
         "seconds": times,
+        "graph": {s.name: graph_state(s) for s in setups if graph_state(s)},
     }
+    record(measure="summary", images_per_s=rates)
     if args.json:
         path = Path(args.json)
         existing = json.loads(path.read_text()) if path.is_file() else []

@@ -223,6 +223,61 @@ def test_throughput_times_the_compile_settings_in_the_same_rounds(
 
 
 @pytest.mark.slow
+def test_throughput_times_off_against_graph_and_writes_each_measurement_at_once(
+    throughput, tmp_path, tiny_recipe, write_images, monkeypatch
+):
+    """``--compile off graph --stand-in --jsonl``: both settings in each round, the graphed one captured during its
+    warm-up (the tape standing in for the CUDA graph) and replayed in the timings; one JSON line per warm-up and per
+    round of each measure, written as they are made, then the summary."""
+    from obow.training import graphed
+
+    monkeypatch.setattr(graphed, "STAND_IN", graphed.STAND_IN)  # restored after: main sets it
+    data = write_images(tmp_path / "data", per_class=8, size=20)
+    lines = tmp_path / "t.jsonl"
+    result = throughput.main(
+        ["--config", str(tiny_recipe), "--data", str(data), "--device", "cpu", "--steps", "2", "--rounds", "2",
+         "--warmup", "5", "--min-images", "16", "--pipelines", "device", "--cache-dir", str(tmp_path / "cache"),
+         "--compile", "off", "graph", "--stand-in", "--measures", "end_to_end", "step", "--jsonl", str(lines),
+         "train.log_every=10"]
+    )  # fmt: skip
+    graph = result["graph"]["device, compile graph"]
+    assert graph["captured"] and graph["capture_s"] > 0 and graph["replays"] == 2 * 2 * 2 and not graph["eager_why"]
+    records = [json.loads(line) for line in lines.read_text().splitlines()]
+    settings = ["device, compile off", "device, compile graph"]
+    assert [(r["setting"], r["measure"]) for r in records[:2]] == [(s, "warmup") for s in settings]
+    timed = [(r["setting"], r["measure"], r["round"]) for r in records[2:-1]]
+    assert sorted(timed) == sorted((s, m, r) for s in settings for m in ("end_to_end", "step") for r in (0, 1))
+    assert records[-1]["measure"] == "summary" and records[-1]["images_per_s"] == result["images_per_s"]
+    assert all(r["images_per_s"] > 0 and r["t_s"] >= 0 for r in records[2:-1])
+
+
+@pytest.mark.slow
+def test_gpu_graph_smoke_runs_on_the_cpu_with_the_tape(tmp_path, tiny_recipe, write_images, monkeypatch):
+    """benchmarks/gpu_graph.py's plumbing on a CPU: the capture, the graphed run against the eager one from one state
+    (the tape replays the eager step bit for bit), the synchronisation check skipped (no CUDA), every part a JSON
+    line."""
+    from obow.training import graphed
+
+    monkeypatch.setattr(graphed, "STAND_IN", graphed.STAND_IN)
+    gpu_graph = load_script("gpu_graph")
+    data = write_images(tmp_path / "data", per_class=8, size=20)
+    out = tmp_path / "graph.jsonl"
+    lines = gpu_graph.main(
+        ["--config", str(tiny_recipe), "--data", str(data), "--device", "cpu", "--stand-in", "--steps", "9",
+         "--replays", "2", "--min-images", "16", "--cache-dir", str(tmp_path / "cache"), "--jsonl", str(out),
+         "train.log_every=4"]
+    )  # fmt: skip
+    parts = [line["part"] for line in lines]
+    assert parts == ["capture", "graph_run", "eager_run", "compare", "sync_check"]
+    capture, graph_run, _, compare, sync = lines
+    assert capture["captured"] and capture["capture_s"] > 0 and capture["first_replay_after_s"] > 0
+    assert graph_run["logged"] == [3, 7] and graph_run["replays"] == 9 - 2 - graphed.WARMUP_STEPS - 1
+    assert compare["bit_equal"] is True and compare["loss_rel_diff_max"] == 0.0
+    assert sync == {"part": "sync_check", "replays": 2, "error": None, "checked": False}
+    assert [json.loads(line)["part"] for line in out.read_text().splitlines()] == parts
+
+
+@pytest.mark.slow
 def test_gpu_compile_checks_run_on_the_cpu(throughput, tmp_path, tiny_recipe, write_images, monkeypatch):
     """benchmarks/gpu_compile.py's plumbing: a compiled step warmed up (the first step logged) and counted; on a CPU
     no CUDA graph and no synchronisation check."""
@@ -306,6 +361,7 @@ def test_gpu_profile_runs_on_the_cpu(throughput, tmp_path, tiny_recipe, write_im
     [
         ("gpu_throughput.sh", {"c10r18", "c10r18_big", "quality", "profile", "libraries"}),
         ("gpu_compile.sh", {"checks", "checks_moco", "render", "c10r18", "c10fast", "in20", "r50", "monitor"}),
+        ("gpu_graph.sh", {"smoke", "c10r18_512", "c10fast_512", "c10r18_rec", "c10fast_rec", "in20", "r50"}),
     ],
 )
 def test_gpu_pass_skips_what_it_is_told_and_keeps_its_deadline(tmp_path, script, expected):

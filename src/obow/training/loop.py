@@ -11,7 +11,8 @@ meets), backward, SGD step, run by the step ``train.compile`` chose (eager, comp
 Checkpoints are written only between two steps (:class:`StepBoundary`), so that each one is a state an
 uninterrupted run also passes through: at every epoch end, every ``train.checkpoint_every`` steps, every
 ``train.checkpoint_minutes`` of training (so that a hard kill loses at most that much), and after SIGINT or
-SIGTERM, which let the step under way finish, write the checkpoint and stop (:class:`Interrupted`).
+SIGTERM, which let the step under way finish, write the checkpoint and stop (:class:`Interrupted`); a step
+that compiles (``train.compile``) stops at once instead, keeping nothing (:mod:`obow.training.compiling`).
 
 A run is settled, built, then trained: its ``auto`` settings and threads resolved once
 (:mod:`obow.training.settle`), then what it is built from (process, device, data, method, optimiser):
@@ -46,6 +47,7 @@ from obow.training.build import (
     prepare_step_model,
     setup_process,
 )
+from obow.training.compiling import CompileWatch
 from obow.training.lock import RunLock
 from obow.training.logger import RunLogger, log_interval, log_main, logged_step, logged_steps
 from obow.training.settle import SettledRun, settle_run
@@ -131,6 +133,7 @@ class Run:
     logger: RunLogger
     boundary: StepBoundary
     step: TrainingStep  # eager, compiled or graphed (train.compile), chosen once by build_step
+    watch: CompileWatch | None = None  # what a compiling step says, and a signal stopping it at once
 
     def save(self, state: RunState) -> None:
         """The checkpoint of ``state``; every process calls it at the same step boundary."""
@@ -208,11 +211,14 @@ def train_in_lock(
     logger = RunLogger(out, cfg, enabled=D.is_main_process())
     epoch_monitor = make_monitor(monitor, cfg, images, device)
     model.train()
-    with handle_signals(announce=D.is_main_process()) as signals:
+    with (
+        handle_signals(announce=D.is_main_process()) as signals,
+        CompileWatch(cfg, device, out, signals, logger) as watch,
+    ):
         boundary = StepBoundary(signals, cfg.train.checkpoint_minutes, device)
         step = build_step(cfg, model, step_model, optimizer, scaler, device)
         parts = (model, step_model, optimizer, scaler, sampler, loader, iters_per_epoch, logger, boundary, step)
-        run = Run(cfg, out, device, *parts)
+        run = Run(cfg, out, device, *parts, watch=watch)
         try:
             train_epochs(run, state, epoch_monitor)
         except Interrupted:
@@ -280,7 +286,8 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
         logged = logged_step(state.iteration + 1, interval, state.batch_in_epoch + 1 == run.iters_per_epoch)
         run.model.diagnose = logged
         run.model.host_iteration = state.iteration  # the model's iteration, counted here: no read of the device's
-        metrics = train_step(run, batch["image"], lr)
+        with run.watch.step(state.iteration + 1):
+            metrics = train_step(run, batch["image"], lr)
         state.iteration += 1
         state.batch_in_epoch += 1
         state.epoch_steps += 1

@@ -8,7 +8,8 @@ one writer at a time). A checkpoint holds everything needed to continue exactly 
 method's and the optimiser's state, the position in the epoch (:class:`RunState`), every process's random
 state and running sums of the epoch under way. It is written at step boundaries only (epoch ends, every
 ``train.checkpoint_every`` steps, every ``train.checkpoint_minutes``, and after SIGINT / SIGTERM, which
-:func:`handle_signals` turns into a request the loop honours when the step under way is done). Resuming
+:func:`handle_signals` turns into a request the loop honours when the step under way is done; a step that
+compiles stops at once instead, keeping nothing: :mod:`obow.training.compiling`). Resuming
 refuses a recipe whose run-defining settings differ from the checkpoint's (:func:`check_same_run`); only
 :data:`RESUMABLE_CHANGES` may change.
 """
@@ -21,7 +22,7 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -394,7 +395,8 @@ class SignalFlag:
     """The first SIGINT / SIGTERM received by this process (:attr:`received`: its name, or ``None``) and when
     (:attr:`at`, ``time.monotonic()``); :attr:`doing` names what the loop finishes before its checkpoint (the
     step under way, or the end-of-epoch monitor, which can take minutes on a CPU), for the message a signal
-    prints."""
+    prints. While :attr:`abort` is set (a step compiling, :mod:`obow.training.compiling`), the first signal
+    raises ``abort(name)`` instead: the step is not finished."""
 
     STEP = "the step under way"
 
@@ -402,6 +404,7 @@ class SignalFlag:
         self.received: str | None = None
         self.at = 0.0
         self.doing = self.STEP
+        self.abort: Callable[[str], BaseException] | None = None
 
     @contextlib.contextmanager
     def finishing(self, what: str) -> Iterator[None]:
@@ -426,6 +429,8 @@ def handle_signals(announce: bool = True) -> Iterator[SignalFlag]:
         name = signal.Signals(signum).name
         if flag.received is None:
             flag.received, flag.at = name, time.monotonic()
+            if flag.abort is not None:
+                raise flag.abort(name)
             if announce:
                 log.warning("%s: finishing %s, then writing a checkpoint (again to abort)", name, flag.doing)
         elif time.monotonic() - flag.at > SAME_REQUEST_SECONDS:

@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     label = args.label or f"batch {batch}, {cfg.train.precision}{', channels_last' if cfg.train.channels_last else ''}"
-    mode = f", step {args.compile_backend}{' + CUDA graphs' if cudagraphs else ''}" if args.compile else ""
+    compiles_step = args.compile is not None and "step" in args.compile
+    mode = f", step {args.compile_backend}{' + CUDA graphs' if cudagraphs else ''}" if compiles_step else ""
     print(f"\n{args.config} ({label}{mode}) on {where}; {args.steps} batches x {args.rounds} alternating rounds")
     print("| pipeline | end to end img/s | loader alone img/s | step alone img/s | warm-up s (compilation) |")
     print("|---|---|---|---|---|")

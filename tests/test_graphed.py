@@ -266,6 +266,26 @@ def test_on_a_cpu_graph_says_so_in_one_line_and_runs_the_eager_step(caplog):
     assert all(g["fused"] and isinstance(g["lr"], float) for g in optimizer.param_groups)
 
 
+def test_the_graphed_render_makes_the_eager_views(caplog):
+    """The device pipeline's render captured (the tape standing in for the CUDA graph) and replayed on new images
+    and new parameters makes the eager render's views bit for bit; a batch of another size renders eagerly."""
+    from obow.data.batched_views import graphed_render
+    from obow.methods import build_batched_views
+
+    cfg = load_config("cifar10_resnet18", [])
+    views = build_batched_views(cfg, 32)
+    render = graphed_render(views, CPU, TapeGraph)
+    g = torch.Generator().manual_seed(0)
+    for batch in (8, 8, 8, 8, 5, 8):
+        images = torch.randint(0, 256, (batch, 3, 32, 32), dtype=torch.uint8, generator=g)
+        params = views.draw(batch, g)
+        got, expected = render(images, params), views.render(images, params)
+        assert got.keys() == expected.keys()
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), (batch, key)
+    assert render.kind == "graphed" and not caplog.records
+
+
 # ------------------------------------------------------------------------------------------------ whole runs
 
 
@@ -306,15 +326,18 @@ def assert_same_checkpoint(a: dict, b: dict, what: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("pipeline", ["workers", "device"])
 def test_a_graphed_run_is_the_eager_run_and_checkpoints_move_between_them(
-    tmp_path, tiny_recipe, write_images, stand_in, caplog
+    tmp_path, tiny_recipe, write_images, stand_in, caplog, pipeline
 ):
     """``obow pretrain`` with ``train.compile=graph`` (the tape standing in for the GPU) over 3 epochs of 4 steps,
     logged steps among them: its final checkpoint is the eager run's bit for bit; its epoch-1 checkpoint continued
-    eagerly, and the eager run's continued graphed, end there too."""
+    eagerly, and the eager run's continued graphed, end there too. With the device pipeline the views' render is
+    graphed as well."""
     from obow.training.loop import pretrain
 
-    settings = run_settings(tmp_path, write_images)
+    settings = [*run_settings(tmp_path, write_images), f"data.pipeline={pipeline}"]
+    settings += [f"data.cache_dir={tmp_path / 'cache'}"] * (pipeline == "device")
 
     def run(out: Path, mode: str) -> dict:
         pretrain(load_config(tiny_recipe, [*settings, f"train.compile={mode}"]), out)
@@ -323,6 +346,8 @@ def test_a_graphed_run_is_the_eager_run_and_checkpoints_move_between_them(
     with caplog.at_level(logging.INFO, logger="obow"):
         finals = {mode: run(tmp_path / mode, mode) for mode in ("graph", "off")}
     assert any("captured as one graph" in r.getMessage() for r in caplog.records)
+    if pipeline == "device":
+        assert any(r.getMessage().startswith("Data: views made on the cpu (graphed)") for r in caplog.records)
     for mode, other in (("off", "graph"), ("graph", "off")):
         out = tmp_path / f"{mode}_then_{other}"
         out.mkdir()

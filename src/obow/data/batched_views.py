@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -207,7 +209,9 @@ def adjust_hue(x: Tensor, shift: Tensor) -> Tensor:
     preceding = x.roll(1, dims=1).gather(1, largest)
     hue = torch.add((following - preceding) / delta.clamp_min(torch.finfo(x.dtype).tiny), largest, alpha=2)
     hue = hue + 6.0 * shift.to(x.dtype).view(-1, 1, 1, 1)
-    k = (hue + torch.tensor([5.0, 3.0, 1.0], device=x.device, dtype=x.dtype).view(1, 3, 1, 1)) % 6
+    # n = 5, 3, 1 made on the device (torch.tensor([5., 3., 1.]) was a copy from the host each call, which a CUDA
+    # graph's capture refuses)
+    k = (hue + torch.arange(5.0, 0.0, -2.0, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)) % 6
     return maxc - delta * torch.minimum(k, 4.0 - k).clamp_(0, 1)
 
 
@@ -460,4 +464,66 @@ def compiled_render(
     def render(images: Tensor, params: ViewParams) -> dict[str, Tensor]:
         return graph(images, params.to(device))
 
+    render.kind = "compiled"  # type: ignore[attr-defined]
     return render
+
+
+def graphed_render(
+    views: BatchedViews, device: torch.device, graph: Callable[[], Any]
+) -> Callable[[Tensor, ViewParams], dict[str, Tensor]]:
+    """``views.render`` captured once as a CUDA graph (``graph()``: an :class:`obow.training.graphed.StepGraph`)
+    and replayed: the dense render (:meth:`BatchedViews.render` with ``dense``, whose shapes never depend on the
+    draw) on static buffers, into which each batch's images and parameters (still drawn on the host) are copied;
+    each call returns copies of the graph's outputs (the loader makes one batch ahead, so the next replay must
+    not overwrite the views a step still reads). The views are the eager render's (the same operators). A
+    capture that fails, or a batch of another size, renders eagerly (the first said in one log line).
+    ``train.compile: graph`` with the device pipeline uses it (:func:`obow.training.build.build_data`)."""
+    views._mean_std_on(device, torch.float32)  # made here: the graph only reads it
+    held: dict[str, Any] = {}
+
+    def render(images: Tensor, params: ViewParams) -> dict[str, Tensor]:
+        params = params.to(device)
+        if held.get("eager_why") is not None:
+            return views.render(images, params)
+        if "graph" not in held:
+            return capture(images, params)
+        static_images, static_params = held["inputs"]
+        ours, theirs = param_tensors(static_params), param_tensors(params)
+        if images.shape != static_images.shape or [t.shape for t in ours] != [t.shape for t in theirs]:
+            return views.render(images, params)
+        static_images.copy_(images, non_blocking=True)
+        for a, b in zip(ours, theirs, strict=True):
+            a.copy_(b, non_blocking=True)
+        held["graph"].replay()
+        return {key: value.clone() for key, value in held["outputs"].items()}
+
+    def capture(images: Tensor, params: ViewParams) -> dict[str, Tensor]:
+        from obow.training.graphed import CaptureError
+
+        static_images = images.to(device).clone()
+        held["inputs"] = (static_images, params)
+        g = graph()
+        g.warmup(lambda: views.render(static_images, params, dense=True))
+        try:
+            held["outputs"] = g.capture(lambda: views.render(static_images, params, dense=True))
+        except CaptureError as err:
+            held["eager_why"] = str(err)
+            logging.getLogger("obow").warning(
+                "train.compile=graph: the views' render could not be captured as a CUDA graph (%s); it runs eagerly",
+                err,
+            )
+            return err.outputs if err.step_done else views.render(images, params)
+        held["graph"] = g
+        return {key: value.clone() for key, value in held["outputs"].items()}
+
+    render.kind = "graphed"  # type: ignore[attr-defined]
+    return render
+
+
+def param_tensors(params: Any) -> list[Tensor]:
+    """Every tensor of a view-parameter record (nested dataclasses of tensors, ``None`` left out), in order."""
+    if isinstance(params, Tensor):
+        return [params]
+    if params is None:
+        return []
+    return [t for f in dataclasses.fields(params) for t in param_tensors(getattr(params, f.name))]

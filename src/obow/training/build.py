@@ -16,13 +16,14 @@ from torch import nn
 
 from obow import distributed as D
 from obow.config import Config
-from obow.data.batched_views import compiled_render
+from obow.data.batched_views import compiled_render, graphed_render
 from obow.data.cache import ImageCache, build_cache
 from obow.data.device_loader import DeviceLoader
 from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loader, scan_images, tiny_below
 from obow.methods import build_batched_views, build_method, build_views, views_side
 from obow.methods.base import Method
 from obow.training import compiled as compiled_module
+from obow.training import graphed
 from obow.training.logger import log_main
 from obow.training.precision import check_precision
 from obow.training.state import RunError
@@ -89,9 +90,13 @@ def build_data(
         render = None
         if cfg.train.compile == "step" and device.type in COMPILED_RENDER_DEVICES:
             render = compiled_render(views, device, backend=compiled_module.BACKEND)
+        elif cfg.train.compile == "graph" and (factory := graphed.graph_factory(device)) is not None:
+            render = graphed_render(views, device, factory)
         loader = DeviceLoader(cache, sampler, views, device, cfg.train.seed, render)
         held = "; held on the GPU" if loader.where == "on the GPU" else ""
-        notes = ["compiled"] * (render is not None) + ["one batch ahead on a side stream"] * (device.type == "cuda")
+        notes = ([render.kind] if render is not None else []) + ["one batch ahead on a side stream"] * (
+            device.type == "cuda"
+        )
         how = f" ({'; '.join(notes)})" if notes else ""
         log_main("Data: views made on the %s%s from %s%s", device.type, how, cache.describe(), held)
         return images, sampler, loader

@@ -10,7 +10,8 @@ by side on one GPU, one seed a call, the epochs chosen on the machine, every mea
 (``--t0``, the call's start; everything ends ``--deadline`` seconds after it):
 
 1. the device pipeline's image cache of the training images, built once here (the probe's and the table's rows
-   read it), and the evaluation's decoding timed on a sample of the test images;
+   read it), the evaluation's decoding timed on a sample of the test images, and on a GPU a first convolution
+   (a fresh machine's first CUDA work is slow: not inside a probe);
 2. the probe (:func:`probe`): both rows side by side, each a plain ``obow pretrain`` on all the training images
    with the table's settings, until each has ``--probe-measure`` seconds of steps timed after ``--warmup-steps``
    (at most ``--probe-s``); the rates read from their ``log.jsonl`` (:func:`fit_intervals`). Candidates, in order:
@@ -21,7 +22,8 @@ by side on one GPU, one seed a call, the epochs chosen on the machine, every mea
    fewer than ``--min-epochs`` are said plainly and run;
 4. ``obow tables run mocov2 --rows 2 4 --seeds SEED --jobs 2 --budget EPOCHS --curve-every max(1, EPOCHS // 10)
    --random-init last``, sent SIGTERM ``--stop-s`` seconds before the deadline (each run finishes its step and
-   writes its checkpoint; finished evaluations are kept);
+   writes its checkpoint; finished evaluations are kept). With ``--like FOLDER`` (a later seed) steps 2 and 3 are
+   left out: the recipe, epochs and changes are those of the table merged there;
 5. all along (:class:`LiveCopy`, every ``--copy-every`` seconds) and at the end: each row's ``log.jsonl`` (its
    steps, and its kNN curve in the epoch records) and the table's ``table.json``, ``table.md`` and ``plan.json``
    copied into OUT, beside ``claim.json`` (what was measured, estimated and chosen) and ``summary.txt``; eight
@@ -130,9 +132,9 @@ def fit_intervals(found: list[Interval], warmup_steps: int) -> Fit | None:
     return Fit(per_step, end, measured, steps)
 
 
-def curve_every(epochs: int) -> int:
-    """Epochs between two kNN monitor points: a tenth of the run (every epoch below ten)."""
-    return max(1, epochs // 10)
+def curve_every(epochs: int, every: int = 0) -> int:
+    """Epochs between two kNN monitor points: ``every``, or (0) a tenth of the run (every epoch below ten)."""
+    return every or max(1, epochs // 10)
 
 
 @dataclass(frozen=True)
@@ -149,9 +151,10 @@ class Estimate:
     monitor_pass_s: float
     eval_s: float
     margin_s: float
+    curve_every: int = 0  # epochs between two monitor passes (0: a tenth of the run)
 
     def total(self, epochs: int, steps_per_epoch: int, seconds_per_step: float) -> float:
-        passes = epochs // curve_every(epochs)
+        passes = epochs // curve_every(epochs, self.curve_every)
         monitor = self.monitor_first_s + (passes - 1) * self.monitor_pass_s if passes else 0.0
         training = epochs * (steps_per_epoch * seconds_per_step + self.epoch_end_s)
         return self.start_s + training + monitor + self.eval_s + self.margin_s
@@ -390,6 +393,24 @@ def prepare_images(call: Call, data: Data, recipe: str) -> float:
     return per_image
 
 
+def warm_gpu(call: Call) -> None:
+    """On a GPU, a first convolution forward and backward here (bf16, channels_last, cuDNN's tuning on): a fresh
+    machine's first CUDA process pays the driver's start and its kernels' first loading, which would otherwise fall
+    in the first probe's 40 s."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    start = time.perf_counter()
+    torch.backends.cudnn.benchmark = True
+    conv = torch.nn.Conv2d(3, 64, 3, padding=1).cuda().to(memory_format=torch.channels_last)
+    images = torch.randn(512, 3, 32, 32, device="cuda").to(memory_format=torch.channels_last)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        conv(images).float().square().mean().backward()
+    torch.cuda.synchronize()
+    call.say(f"GPU warmed: {torch.cuda.get_device_name(0)}, a first convolution in {time.perf_counter() - start:.1f} s")
+
+
 def time_protocol(dim: int, train_images: int, test_images: int, threads: int, classes: int = 10) -> dict[str, float]:
     """The evaluation protocol's CPU work (:func:`obow.evaluate.protocol.evaluate_features`: the features are moved to
     the CPU, whatever the device) timed here on random features of the rows' width, scaled down and extrapolated:
@@ -625,10 +646,12 @@ def estimate_for(call: Call, data: Data, recipe: str, found: Probe, decode_s: fl
         # which start as the probe's did
         start_s=args.table_start_s + call.import_s + data.scan_s + (found.start_s or 0.0),
         epoch_end_s=epoch_end,
-        monitor_first_s=images * decode_s + args.monitor_pass_s,
+        # its first pass starts the recipe's loader workers (imports, as this process's) and decodes every image
+        monitor_first_s=call.import_s + images * decode_s + args.monitor_pass_s,
         monitor_pass_s=args.monitor_pass_s,
         eval_s=args.eval_start_s + images * decode_s + args.monitor_pass_s + call.protocols[recipe]["total_s"],
         margin_s=args.margin_s,
+        curve_every=args.curve_every,
     )
 
 
@@ -705,12 +728,13 @@ def run_table_call(call: Call, data: Data, recipe: str, step: str, epochs: int, 
     command = [
         sys.executable, "-m", "obow", "tables", "run", TABLE, "--data", str(data.root), "--budget", str(epochs),
         "--recipe", recipe, "--out", str(runs), "--rows", *ROWS, "--seeds", str(args.seed), "--jobs", "2",
-        "--curve-every", str(curve_every(epochs)), "--random-init", "last", *overrides,
+        "--curve-every", str(curve_every(epochs, args.curve_every)), "--random-init", "last", *overrides,
     ]  # fmt: skip
     call.claim["table_command"] = " ".join(command)
     call.claim["run"] = {"started_s": round(call.elapsed(), 1)}
     call.save_claim()
-    call.say(f"table: {epochs} epochs a row, kNN every {curve_every(epochs)}: {' '.join(command[2:])}")
+    every = curve_every(epochs, args.curve_every)
+    call.say(f"table: {epochs} epochs a row, kNN every {every}: {' '.join(command[2:])}")
     copier = LiveCopy(call.out, lambda: table_sources(runs, args.seed), args.copy_every)
     with open(call.log_path, "a") as log:
         log.write("===== obow tables run\n")
@@ -783,6 +807,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     call.say(f"data: {data.train_images} training and {data.test_images} test images under {data.root}")
     first_recipe = RECIPES[0] if args.recipe == "auto" else args.recipe
     decode_s = prepare_images(call, data, first_recipe)
+    warm_gpu(call)
     if args.like is not None:
         recipe, epochs, overrides = from_folder(call, Path(args.like))
         step = next((o.split("=", 1)[1] for o in overrides if o.startswith("train.compile=")), "off")
@@ -868,7 +893,8 @@ def _table() -> Any:
 
 def curves_markdown(curves: dict[str, dict[int, dict[int, float]]]) -> str:
     """``{row label: {seed: {epoch: kNN}}}`` as one table per row: every monitored epoch, one column per seed."""
-    lines = ["# kNN monitor (top-1 %, the test images, k=200) of each row and seed, at the epochs monitored", ""]
+    lines = ["# kNN monitor (top-1 %, the test images; k=200, or every training image if fewer) of each row and seed"]
+    lines.append("")
     for label, seeds in curves.items():
         epochs = sorted({e for points in seeds.values() for e in points})
         lines += [f"## {label}", "", "| epoch | " + " | ".join(f"seed {s}" for s in sorted(seeds)) + " |"]
@@ -898,14 +924,17 @@ def verdict_text(record: dict[str, Any]) -> str:
     from obow.experiments.tables import compare_rows
 
     measured = {row["slug"] for row in record["rows"] if row["runs"]}
+    runs = [run for row in (record["random_init"], *record["rows"]) for run in row["runs"]]
+    # the scores every run has (5-shot needs 6 test images a class: a tiny dry run has fewer)
+    scores = tuple(s for s in ("knn", "linear", "fewshot_1", "fewshot_5") if all(s in run["scores"] for run in runs))
     parts = ["# The paired verdict (`obow tables paired`'s rule: a difference counts when every seed agrees and the "
              "mean exceeds the spread; one seed is not judged)", ""]  # fmt: skip
     if {"obow_full", "moco_v2_our_aug"} <= measured:
-        parts.append(compare_rows(record, "moco_v2_our_aug"))
+        parts.append(compare_rows(record, "moco_v2_our_aug", scores))
     else:
         parts.append(f"Not both rows evaluated (measured: {', '.join(sorted(measured)) or 'none'}): no verdict.\n")
     if record["random_init"]["runs"] and measured:
-        parts.append(compare_rows(record, "random_init"))
+        parts.append(compare_rows(record, "random_init", scores))
     return "\n".join(parts)
 
 
@@ -923,7 +952,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
     seeds = new["seeds"]
     folder.mkdir(parents=True, exist_ok=True)
     old_path = folder / "table.json"
-    record = merge_records(json.loads(old_path.read_text()), new) if old_path.is_file() else new
+    try:
+        record = merge_records(json.loads(old_path.read_text()), new) if old_path.is_file() else new
+    except ValueError as err:
+        raise SystemExit(f"{source} not merged into {folder}: {err}") from None
     (folder / "curves").mkdir(exist_ok=True)
     for path in source.glob("*-seed*.log.jsonl"):
         shutil.copyfile(path, folder / "curves" / path.name)
@@ -964,6 +996,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--batch", type=int, default=512, help="every row's batch (0: the recipe's); lr scaled linearly")
     r.add_argument("--min-epochs", type=int, default=50)
     r.add_argument("--epochs", type=int, default=0, help="train this many epochs whatever fits (a dry run's cut)")
+    r.add_argument("--curve-every", type=int, default=0, help="epochs between two kNN points (0: a tenth of the run)")
     r.add_argument("--like", help="a table folder: a later seed with its recipe, epochs and changes (no probe)")
     r.add_argument("--extra", nargs="*", default=[], help="more key=value changes for every row")
     r.add_argument("--probe-s", type=float, default=40, help="the longest a probe may take")

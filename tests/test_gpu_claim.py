@@ -251,6 +251,8 @@ def test_merge_command_writes_the_table_the_curves_and_the_verdict(claim, tmp_pa
     assert "| 6 | 30.50 |" in (folder / "curves.md").read_text()
     assert "one seed" in (folder / "paired.md").read_text() and "| OBoW (full) |" in (folder / "table.md").read_text()
     assert "merged seed(s) [0] (60 epochs)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not merged into .*: random init: seed\\(s\\) \\[0\\] are there already"):
+        claim.main(["merge", str(out), str(folder)])  # the same call twice
     empty = tmp_path / "cut"
     empty.mkdir()
     with pytest.raises(SystemExit, match="holds no table.json"):
@@ -259,9 +261,10 @@ def test_merge_command_writes_the_table_the_curves_and_the_verdict(claim, tmp_pa
 
 @pytest.mark.slow
 def test_a_dry_run_of_the_call_probes_chooses_copies_as_it_grows_and_returns_curves_when_cut(tmp_path, write_images):
-    """The whole command on the CPU, on synthetic class folders and a tiny recipe, forced to more epochs than its
-    deadline allows: the probe times both rows, the choice says that the minimum does not fit, the rows' logs grow
-    in OUT while the table trains, and the cut at the deadline still leaves the kNN curve there."""
+    """The whole command on the CPU, on synthetic class folders and a tiny recipe, forced to far more epochs than
+    its deadline allows (a kNN point every 2): the probe times both rows, the choice says that the minimum does not
+    fit, the rows' logs grow in OUT while the table trains, and the cut at the deadline still leaves the kNN curve
+    there."""
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(TINY)
     data = tmp_path / "c10"
@@ -271,9 +274,9 @@ def test_a_dry_run_of_the_call_probes_chooses_copies_as_it_grows_and_returns_cur
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}", "XDG_CACHE_HOME": str(tmp_path / "cache")}
     command = [
         sys.executable, str(SCRIPT), "run", "--data", str(data), "--out", str(out),
-        "--runs", str(tmp_path / "runs"), "--deadline", "150", "--recipe", str(recipe), "--step", "auto",
-        "--batch", "0", "--min-epochs", "100000", "--epochs", "40", "--probe-s", "60", "--probe-measure", "2",
-        "--warmup-steps", "2", "--decode-sample", "5", "--copy-every", "1", "--stop-s", "15",
+        "--runs", str(tmp_path / "runs"), "--deadline", "210", "--recipe", str(recipe), "--step", "auto",
+        "--batch", "0", "--min-epochs", "100000", "--epochs", "100000", "--curve-every", "2", "--probe-s", "60",
+        "--probe-measure", "2", "--warmup-steps", "2", "--decode-sample", "5", "--copy-every", "1", "--stop-s", "15",
         "--extra", "train.log_every=1",
     ]  # fmt: skip
     process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -289,17 +292,17 @@ def test_a_dry_run_of_the_call_probes_chooses_copies_as_it_grows_and_returns_cur
 
     summary = (out / "summary.txt").read_text()
     assert "step graph: not tried" in summary or "step graph (" in summary  # a tree with or without it
-    assert "100000 epochs do NOT fit" in summary and "--epochs 40 given" in summary
-    assert "table: stopped (the deadline (150.0 s) less 15 s)" in summary
+    assert "100000 epochs do NOT fit" in summary and "--epochs 100000 given" in summary
+    assert "table: stopped (the deadline (210.0 s) less 15 s)" in summary
     claimed = json.loads((out / "claim.json").read_text())
     probe = next(p for p in claimed["probes"] if p["seconds_per_step"] is not None)
     assert probe["step"] == "off" and set(probe["rows"]) == {"obow_full", "moco_v2_our_aug"}
-    assert claimed["choice"]["epochs"] == 40 and claimed["run"]["cut"]
+    assert claimed["choice"]["epochs"] == 100000 and claimed["run"]["cut"]
     assert {"obow_full", "moco_v2_our_aug"} == set(claimed["rows"])
     for slug in ("obow_full", "moco_v2_our_aug"):
         records = [json.loads(line) for line in (out / f"{slug}-seed0.log.jsonl").read_text().splitlines()]
         curve = [r for r in records if r.get("type") == "epoch" and "knn_top1" in r]
-        assert curve, f"{slug}: no kNN point came back"  # a point every 4 epochs of the 40
+        assert curve, f"{slug}: no kNN point came back"  # a point every 2 epochs
         assert claimed["rows"][slug]["epochs_done"] >= curve[-1]["epoch"]
     assert not (out / "table.json").exists()  # nothing evaluated: the rows were cut while training
     assert len(list(out.iterdir())) <= 8  # what a device call returns

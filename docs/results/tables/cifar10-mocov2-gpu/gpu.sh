@@ -22,8 +22,13 @@
 # `gpu_claim.py run` (its --help); RUNS: where the runs and checkpoints go (they stay on the machine).
 # What comes back in $OUT (8 files at most): summary.txt, all.log, claim.json (probes, estimate, choice, progress,
 # each row's config), table.json, table.md, plan.json, obow_full-seedN.log.jsonl, moco_v2_our_aug-seedN.log.jsonl.
-# Dry runs on the CPU (2026-11-28, a tiny CIFAR-10 of 40 images per split, unpack.py --per-class 4; 2 busy cores):
-# see docs/results/tables/cifar10-mocov2-gpu/README.md for the commands, their wall times and what they printed.
+# Dry runs on the CPU (2026-11-28, a tiny CIFAR-10 of 40 images per split, unpack.py --per-class 4; 2 busy cores;
+# what they printed and returned: README.md here), each with PYTHON=.venv/bin/python C10=DIR OUT=DIR RUNS=DIR,
+# the first two with ARGS="--probe-s 100 --warmup-steps 5 --probe-measure 8" (a CPU step takes seconds):
+#   DEADLINE=900 BATCH=8 EPOCHS=3 bash docs/results/tables/cifar10-mocov2-gpu/gpu.sh                  # 432 s
+#   DEADLINE=330 BATCH=8 EPOCHS=30 RECIPE=cifar10_fast bash docs/results/tables/cifar10-mocov2-gpu/gpu.sh   # cut
+#   DEADLINE=600 SEED=1 LIKE=MERGED_DIR bash docs/results/tables/cifar10-mocov2-gpu/gpu.sh              # 141 s
+# (the second: cut by its deadline, 323 s, the curves in OUT).
 set -u
 T0=$(date +%s)
 cd "$(dirname "$0")/../../../.."

@@ -220,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="train this many row-seed runs at once, each in its own process with cores/JOBS threads (default 1)",
     )
+    r.add_argument(
+        "--random-init",
+        choices=("first", "last"),
+        default="first",
+        help="evaluate each seed's random init before its rows (first, the default) or after every row (last: a "
+        "call that may be stopped spends its time on the rows first)",
+    )
     r.add_argument("overrides", nargs="*", metavar="key=value", help="changes to the base recipe for every row")
     r.set_defaults(func=cmd_tables_run)
     st = tables.add_parser("status", help="where a table folder stands: each row and seed, and the minutes left")
@@ -416,6 +423,7 @@ def cmd_tables_run(args: argparse.Namespace) -> int:
             jobs=args.jobs,
             time_against=args.time_against,
             replan=args.replan,
+            random_init=args.random_init,
         )
     except Interrupted as err:
         return err.exit_code

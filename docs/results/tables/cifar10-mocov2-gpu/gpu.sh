@@ -1,52 +1,52 @@
 #!/usr/bin/env bash
-# The paper's central comparison (MoCo v2 table: row 2 OBoW (full), row 4 MoCo v2 with the same augmentations) on
-# all of CIFAR-10 at a GPU budget, in one lent device call: `obow tables run mocov2 --budget EPOCHS` with the
-# full-width recipe cifar10_resnet18 (RECIPE=cifar10_fast for the half width) and the device pipeline (views made
-# on the GPU from a decoded cache). MoCo v2 runs with shuffled batch norm (moco.bn_splits: its automatic choice,
-# sub-batches of at least 32 images; docs/faithfulness.md), the fair baseline issue 44 asks for.
+# The paper's central claim (issue 55) in one lent device call: the MoCo v2 table's rows OBoW (full) and MoCo v2
+# (our aug.) on all 50,000 CIFAR-10 training images, side by side on the GPU, one seed a call, evaluated on the
+# 10,000 test images (kNN k=200, linear probe, few-shot), then the random init if time remains; everything done
+# DEADLINE seconds after this script starts. The logic is benchmarks/gpu_claim.py (its docstring says the steps):
+# a probe of both rows side by side (at most 40 s a candidate) times their steps, the epochs are the most that fit
+# (at least MIN_EPOCHS, or it says plainly that they do not fit and runs what does), and each row's log.jsonl (its
+# kNN curve every tenth of the run) and the table's files are copied into $OUT as they grow.
 #
-#   C10=/tmp/c10 OUT=$OUT EPOCHS=10 DEADLINE=330 bash docs/results/tables/cifar10-mocov2-gpu/gpu.sh
+#   OUT=$OUT bash docs/results/tables/cifar10-mocov2-gpu/gpu.sh                    # first call: seed 0, probed
+#   OUT=$OUT SEED=1 LIKE=docs/results/tables/cifar10-mocov2-gpu bash docs/results/tables/cifar10-mocov2-gpu/gpu.sh
 #
-# C10: CIFAR-10 as train/ (all 50,000) and test/ (all 10,000) class folders. EPOCHS: pretraining epochs per row;
-# ROWS (default "2 4"), SEEDS (default "0"): every row at every seed, JOBS (default 2) of them at once on the GPU;
-# CURVE: kNN on the test images every CURVE epochs (default EPOCHS/10, at least 1: the issue's ten points; the
-# monitor decodes the 60,000 images once and keeps them, each epoch record's monitor_time_s says what a pass took).
-# EXTRA: more recipe overrides for every row.
-# A run's checkpoint does not outlive the call, so EPOCHS must fit: a table run ends with its evaluations (kNN,
-# linear, few-shot); at DEADLINE-30 s the table gets SIGTERM and stops at a checkpoint (what finished is kept).
-# What comes back in $OUT: summary.txt, all.log, runs.tgz (each run's result.json, log.jsonl, config.yaml, and
-# the table's plan.json / table.json / table.md).
-# Dry run on a CPU (2026-11-27, 51 s; a tiny CIFAR-10 of 40 images per split): C10=DIR OUT=DIR EPOCHS=1
-#   RECIPE=cifar10_fast EXTRA="data.batch_size=8 train.device=cpu" bash docs/results/tables/cifar10-mocov2-gpu/gpu.sh
+# Give the device call timeout_s=600 (DEADLINE 540 leaves a minute for the machine). The second form (a later
+# call) trains another seed with the recipe, epochs and changes of the seeds merged into that folder, no probe.
+# A returned $OUT is added to the folder with
+#   python3 benchmarks/gpu_claim.py merge DIR_OF_THE_RETURNED_OUT docs/results/tables/cifar10-mocov2-gpu
+# C10: CIFAR-10 as train/ and test/ class folders; unset, it is unpacked to /tmp/c10 from shared/data or
+# ../shared/data (unpack.py there, 2-3 s). RECIPE: auto (cifar10_resnet18 when MIN_EPOCHS fit, else cifar10_fast)
+# or one recipe; STEP: auto (train.compile=graph when this tree takes it and it is faster, else off), graph or off;
+# BATCH (default 512; 0: the recipe's), the learning rate scaled linearly from the recipe's; EPOCHS: train that many
+# whatever fits (a dry run's cut); EXTRA: more key=value changes for every row; ARGS: more options of
+# `gpu_claim.py run` (its --help); RUNS: where the runs and checkpoints go (they stay on the machine).
+# What comes back in $OUT (8 files at most): summary.txt, all.log, claim.json (probes, estimate, choice, progress,
+# each row's config), table.json, table.md, plan.json, obow_full-seedN.log.jsonl, moco_v2_our_aug-seedN.log.jsonl.
+# Dry runs on the CPU (2026-11-28, a tiny CIFAR-10 of 40 images per split, unpack.py --per-class 4; 2 busy cores;
+# what they printed and returned: README.md here), each with PYTHON=.venv/bin/python C10=DIR OUT=DIR RUNS=DIR,
+# the first two with ARGS="--probe-s 100 --warmup-steps 5 --probe-measure 8" (a CPU step takes seconds):
+#   DEADLINE=900 BATCH=8 EPOCHS=3 bash docs/results/tables/cifar10-mocov2-gpu/gpu.sh                  # 432 s
+#   DEADLINE=330 BATCH=8 EPOCHS=30 RECIPE=cifar10_fast bash docs/results/tables/cifar10-mocov2-gpu/gpu.sh   # cut
+#   DEADLINE=600 SEED=1 LIKE=MERGED_DIR bash docs/results/tables/cifar10-mocov2-gpu/gpu.sh              # 141 s
+# (the second: cut by its deadline, 323 s, the curves in OUT).
 set -u
-cd "$(dirname "$0")/../../../.."
-C10=${C10:?set C10 to CIFAR-10 class folders (train/, test/)}
-OUT=${OUT:?set OUT}
-EPOCHS=${EPOCHS:-10}
-DEADLINE=${DEADLINE:-330}
-ROWS=${ROWS:-2 4}
-SEEDS=${SEEDS:-0}
-JOBS=${JOBS:-2}
-CURVE=${CURVE:-$((EPOCHS >= 10 ? EPOCHS / 10 : 1))}
-EXTRA=${EXTRA:-}
-RECIPE=${RECIPE:-cifar10_resnet18}
-RUNS=${RUNS:-/tmp/gpu_mocov2}
-mkdir -p "$OUT" "$RUNS"
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 T0=$(date +%s)
-{ nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.cuda.is_available())"; } > "$OUT/summary.txt" 2>&1
-echo "RECIPE=$RECIPE EPOCHS=$EPOCHS ROWS=$ROWS SEEDS=$SEEDS JOBS=$JOBS CURVE=$CURVE EXTRA=$EXTRA" >> "$OUT/summary.txt"
+cd "$(dirname "$0")/../../../.."
+OUT=${OUT:?set OUT}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$OUT"
+if [ -z "${C10:-}" ]; then
+    PACKED=""
+    for d in shared/data ../shared/data; do
+        if [ -z "$PACKED" ] && [ -f "$d/unpack.py" ]; then PACKED=$d; fi
+    done
+    [ -n "$PACKED" ] || { echo "no C10 given and no shared/data/unpack.py: set C10" | tee -a "$OUT/summary.txt"; exit 1; }
+    C10=/tmp/c10
+    [ -d "$C10/train" ] || "$PYTHON" "$PACKED/unpack.py" cifar10 "$C10" >> "$OUT/all.log" 2>&1
+fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # shellcheck disable=SC2086
-python3 -m obow tables run mocov2 --data "$C10" --budget "$EPOCHS" --recipe "$RECIPE" --out "$RUNS" \
-    --rows $ROWS --seeds $SEEDS --jobs "$JOBS" --curve-every "$CURVE" data.pipeline=device $EXTRA > "$OUT/all.log" 2>&1 &
-pid=$!
-while kill -0 $pid 2> /dev/null && [ $(($(date +%s) - T0)) -lt $((DEADLINE - 30)) ]; do sleep 2; done
-kill -TERM $pid 2> /dev/null
-for _ in $(seq 12); do kill -0 $pid 2> /dev/null || break; sleep 2; done
-kill -KILL $pid 2> /dev/null
-wait
-echo "table done after $(($(date +%s) - T0))s" >> "$OUT/summary.txt"
-grep -h "epoch\|done\|rror" "$OUT/all.log" | tail -n 40 >> "$OUT/summary.txt"
-(cd "$RUNS" && find . \( -name result.json -o -name log.jsonl -o -name config.yaml -o -name "table.*" -o -name plan.json \) -print0 \
-    | tar czf "$OUT/runs.tgz" --null -T -)
-echo "total $(($(date +%s) - T0))s" >> "$OUT/summary.txt"
+exec "$PYTHON" benchmarks/gpu_claim.py run --data "$C10" --out "$OUT" --runs "${RUNS:-/tmp/gpu_claim-$T0}" \
+    --t0 "$T0" --deadline "${DEADLINE:-540}" --seed "${SEED:-0}" --recipe "${RECIPE:-auto}" --step "${STEP:-auto}" \
+    --batch "${BATCH:-512}" --min-epochs "${MIN_EPOCHS:-50}" --epochs "${EPOCHS:-0}" ${LIKE:+--like "$LIKE"} \
+    --extra ${EXTRA:-} ${ARGS:-}

@@ -121,7 +121,7 @@ from obow.experiments.tables.plan import (
     table_precision,
 )
 from obow.experiments.tables.records import aggregate, machine_description, markdown, training_minutes
-from obow.experiments.tables.run import Task, run_in_order, run_in_processes, run_table
+from obow.experiments.tables.run import Task, run_in_order, run_in_processes, run_table, table_tasks
 from obow.experiments.tables.status import curves_text, monitor_curves, read_table_plan, table_status
 
 __all__ = [
@@ -155,5 +155,6 @@ __all__ = [
     "table_pipeline",
     "table_precision",
     "table_status",
+    "table_tasks",
     "training_minutes",
 ]

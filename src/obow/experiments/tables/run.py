@@ -61,6 +61,7 @@ def run_table(
     jobs: int = 1,
     time_against: str | Path | None = None,
     replan: bool = False,
+    random_init: str = "first",
 ) -> dict[str, Any]:
     """Train and evaluate the rows of table ``name`` (see the module docstring) for every seed in ``seeds``,
     each row for ``budget`` epochs or for ``minutes`` of this machine; returns the table's record, also written
@@ -81,7 +82,9 @@ def run_table(
     here in turns as it was there and as it is here, and planned at ``its seconds there x the ratio of the two``
     (``timing_against`` in the plan), so that the lever gets the base's wall-clock budget whatever the
     machine's load on the day. ``replan`` discards the folder's ``plan.json`` first, while no row has trained
-    there (a folder planned for a wrong budget; :func:`discard_plan`). ``jobs`` > 1 trains
+    there (a folder planned for a wrong budget; :func:`discard_plan`). ``random_init`` is ``"first"`` (each seed's
+    random init evaluated before its rows: the reference comes early) or ``"last"`` (after every row of every
+    seed: a call that may be stopped spends its time on the rows first; :func:`table_tasks`). ``jobs`` > 1 trains
     and evaluates that many row-seed runs at once, each in its own process with ``train.threads`` threads
     (unset: this process's cores divided by ``jobs``, or by the number of runs left if fewer)
     (:func:`run_in_processes`); the plan is made first, here."""
@@ -101,6 +104,8 @@ def run_table(
         raise ValueError(f"--minutes must be > 0, got {minutes!r}")
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"--jobs must be a whole number >= 1, got {jobs!r}")
+    if random_init not in RANDOM_INIT_ORDERS:
+        raise ValueError(f"--random-init must be one of {', '.join(RANDOM_INIT_ORDERS)}, got {random_init!r}")
     if time_against is not None and (timing_from is not None or shared_from is not None):
         raise ValueError(
             "--time-against times this table's rows anew: it cannot be combined with --timing-from or --shared-from"
@@ -199,9 +204,7 @@ def run_table(
                 path.write_text(markdown(record, table.columns))
             return record
 
-        tasks = [
-            Task(row, seed) for seed in seeds for row in (None, *chosen) if not Task(row, seed).result(folder).exists()
-        ]
+        tasks = [task for task in table_tasks(chosen, seeds, random_init) if not task.result(folder).exists()]
         shared = {key.split("/")[0] for key in plan.get("shared_from", {})}
         waiting = [task for task in tasks if task.row is not None and task.row.slug in shared]
         if waiting:  # trained by the table they are shared with, never twice
@@ -230,6 +233,18 @@ def run_table(
             )
         record = write_table()
         return record
+
+
+#: Where the random init's evaluations go among a table's tasks (``--random-init``).
+RANDOM_INIT_ORDERS = ("first", "last")
+
+
+def table_tasks(rows: list[Row], seeds: tuple[int, ...], random_init: str = "first") -> list[Task]:
+    """The table's tasks in the order they start: seed by seed, the random init then the rows (``"first"``), or
+    every row of every seed, then the random inits (``"last"``)."""
+    if random_init == "first":
+        return [Task(row, seed) for seed in seeds for row in (None, *rows)]
+    return [Task(row, seed) for seed in seeds for row in rows] + [Task(None, seed) for seed in seeds]
 
 
 def check_stages(

@@ -655,13 +655,26 @@ def estimate_for(call: Call, data: Data, recipe: str, found: Probe, decode_s: fl
     )
 
 
+def cuda_available() -> bool:
+    """Whether this machine has a CUDA device (asked in a child process: this one stays free of CUDA)."""
+    probe = [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"]
+    try:
+        return subprocess.run(probe, capture_output=True, text=True, timeout=120).stdout.strip() == "True"
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def choose(call: Call, data: Data, decode_s: float) -> tuple[str, str, Choice, Estimate, Probe] | None:
     """Probe the candidates (see the module's docstring) and choose the recipe, the step and the epochs. The first
     recipe probes every step asked and keeps the faster that works; a later one probes that step first, and the
     others only if it fails there."""
     args = call.args
     recipes = list(RECIPES) if args.recipe == "auto" else [args.recipe]
-    steps = ["graph", "off"] if args.step == "auto" else [args.step]
+    steps = [args.step]
+    if args.step == "auto":
+        steps = ["graph", "off"] if cuda_available() else ["off"]
+        if steps == ["off"]:
+            call.say("step graph: not tried, CUDA graphs need a CUDA device (it would run the eager step)")
     preferred, decided = None, None
     for recipe in recipes:
         order = steps if preferred is None else [preferred, *(s for s in steps if s != preferred)]

@@ -137,6 +137,7 @@ def fake_probes(claim, monkeypatch, paces: dict[tuple[str, str], float | None]) 
 
 
 def test_auto_takes_the_faster_step_and_the_full_width_only_when_the_minimum_fits(claim, monkeypatch):
+    monkeypatch.setattr(claim, "cuda_available", lambda: True)  # graph is tried where CUDA graphs can run
     data = claim.Data(Path("c10"), Path("c10/train"), Path("c10/test"), 50000, 10000, 0.5)  # 97 steps an epoch
     paces = {("cifar10_resnet18", "graph"): 0.1, ("cifar10_resnet18", "off"): 0.2, ("cifar10_fast", "graph"): 0.05}
     asked = fake_probes(claim, monkeypatch, paces)
@@ -155,6 +156,16 @@ def test_auto_takes_the_faster_step_and_the_full_width_only_when_the_minimum_fit
     asked = fake_probes(claim, monkeypatch, {("cifar10_fast", "off"): 0.5})
     recipe, step, choice, _, _ = claim.choose(FakeCall(500, recipe="cifar10_fast", step="off"), data, 0.0)
     assert not choice.fits and choice.epochs > 0  # said plainly, and run
+
+
+def test_auto_on_a_machine_without_cuda_probes_the_eager_step_only_and_says_why(claim, monkeypatch):
+    monkeypatch.setattr(claim, "cuda_available", lambda: False)  # graph would run the eager step there
+    data = claim.Data(Path("c10"), Path("c10/train"), Path("c10/test"), 50000, 10000, 0.5)
+    asked = fake_probes(claim, monkeypatch, {("cifar10_resnet18", "off"): 0.1})
+    call = FakeCall(700)
+    recipe, step, choice, _, _ = claim.choose(call, data, 0.0)
+    assert asked == [("cifar10_resnet18", "off")] and (recipe, step) == ("cifar10_resnet18", "off")
+    assert any("step graph: not tried, CUDA graphs need a CUDA device" in line for line in call.said)
 
 
 def test_every_row_gets_the_batch_and_the_linearly_scaled_learning_rate(claim):

@@ -21,6 +21,7 @@ import torch
 import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from obow import graphs
 from obow.config import Config, from_dict, load_config
 from obow.training import graphed
 from obow.training.build import build_model, build_optimizer
@@ -127,7 +128,7 @@ def test_a_per_step_host_float_frozen_by_the_capture_is_caught(monkeypatch):
     """The comparison can fail: with the teacher momentum passed as a host float (as the eager step does), the
     capture freezes the first one and the replayed teachers drift from the eager ones. (The tape would refuse the
     step's metric made from that float, ``torch.as_tensor(momentum)``, first: that refusal is switched off here.)"""
-    monkeypatch.setattr(graphed, "FROM_HOST", frozenset())
+    monkeypatch.setattr(graphs, "FROM_HOST", frozenset())
     cfg = tiny_config()
     eager_model, eager_opt, model, optimizer = two_models(cfg, STEPS)
     expected = train(eager_model, eager_step(cfg, eager_model, eager_opt), STEPS)

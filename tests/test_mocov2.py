@@ -424,7 +424,12 @@ def _check_splits_within_processes(tmp_path: Path) -> None:
         losses.append(loss)
     (sum(losses) / WORLD).backward()
     grad = next(p.grad for p in query_encoder.parameters())
-    torch.testing.assert_close(saved[0]["grad"], grad, rtol=1e-4, atol=1e-6)
+    # The two processes sum in another order than the reference (DDP's all-reduce, the blocks of the split): an
+    # element near zero keeps the sums' absolute rounding, so the check is relative to the gradient's norm (3
+    # elements of 9,408 were 2.8e-6 apart on an AVX-512 Xeon without BF16, above an element-wise atol of 1e-6; the
+    # whole gradient was 3.9e-7 of its norm away, where a wrong average would be of order 1).
+    error = float((saved[0]["grad"].double() - grad.double()).norm() / grad.double().norm())
+    assert error <= 1e-5, f"the gradient is {error:.3g} of its norm from the reference"
 
 
 # ---------------------------------------------------------------------------------------------------- real runs
@@ -462,7 +467,7 @@ def test_pretrain_resume_and_load_the_student(tmp_path, write_images, read_log, 
     assert int(state["iteration"]) == 2 * epochs and int(state["queue_ptr"]) == (8 * 2 * epochs) % 16
     assert {"queue", "queue_ptr", "projector.0.weight", "key_projector.2.weight"} <= set(state)
     assert any(k.startswith("teacher.") for k in state)
-    steps = [r for r in read_log(tmp_path / "whole") if r.get("type") != "epoch"]
+    steps = [r for r in read_log(tmp_path / "whole") if "type" not in r]
     groups = 1 if augmentation == "mocov2" else 2
     for r in steps:
         assert math.isfinite(r["loss"]) and 0 <= r["moco/accuracy"] <= 100

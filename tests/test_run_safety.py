@@ -291,7 +291,7 @@ def test_a_second_pretrain_is_refused_and_a_killed_ones_lock_is_taken_over(setup
     first.send_signal(signal.SIGKILL)
     first.communicate()
     assert load_config(out / "config.yaml").optim.lr == 0.05  # the refused run wrote nothing
-    steps_before = [r["iteration"] for r in read_log(out) if r.get("type") != "epoch"]
+    steps_before = [r["iteration"] for r in read_log(out) if "type" not in r]
 
     third = start(*pretrain_args(setup, out, long, "optim.lr=0.05"))
     wait_for_iteration(out, steps_before[-1] + 2, third)
@@ -300,7 +300,7 @@ def test_a_second_pretrain_is_refused_and_a_killed_ones_lock_is_taken_over(setup
     assert third.returncode == 128 + signal.SIGTERM, stderr
     assert f"taking over the lock left by process {first.pid} on {socket.gethostname()}" in stderr
     assert "which did not end cleanly" in stderr
-    steps = [r["iteration"] for r in read_log(out) if r.get("type") != "epoch"]
+    steps = [r["iteration"] for r in read_log(out) if "type" not in r]
     assert steps == list(range(1, len(steps) + 1))  # one writer at a time: each step once, in order
     assert (out / LOCK_NAME).read_text() == ""  # the third run ended cleanly
 
@@ -412,7 +412,7 @@ def test_sigterm_mid_epoch_resumes_to_the_uninterrupted_final_state(setup, unint
     n, b = partial["iteration"], partial["batch_in_epoch"]
     assert f"Resuming {out} from iteration {n} of 30 (epoch 2, batch {b} of 10)" in resumed.stderr
     assert_same_final_state(load_checkpoint(out / "checkpoint.pt"), whole)
-    steps = [r["iteration"] for r in read_log(out) if r.get("type") != "epoch"]
+    steps = [r["iteration"] for r in read_log(out) if "type" not in r]
     assert steps == list(range(1, 31))
 
 

@@ -37,6 +37,7 @@ from torchvision.ops import roi_align
 
 from obow.config import ViewsConfig
 from obow.data.transforms import GRID_SIDE
+from obow.graphs import CaptureError
 
 #: torchvision's RandomResizedCrop: aspect ratios in [3/4, 4/3], ten tries before the central fallback.
 CROP_RATIO = (3 / 4, 4 / 3)
@@ -471,7 +472,7 @@ def compiled_render(
 def graphed_render(
     views: BatchedViews, device: torch.device, graph: Callable[[], Any]
 ) -> Callable[[Tensor, ViewParams], dict[str, Tensor]]:
-    """``views.render`` captured once as a CUDA graph (``graph()``: an :class:`obow.training.graphed.StepGraph`)
+    """``views.render`` captured once as a CUDA graph (``graph()``: an :class:`obow.graphs.StepGraph`)
     and replayed: the dense render (:meth:`BatchedViews.render` with ``dense``, whose shapes never depend on the
     draw) on static buffers, into which each batch's images and parameters (still drawn on the host) are copied;
     each call returns copies of the graph's outputs (the loader makes one batch ahead, so the next replay must
@@ -498,8 +499,6 @@ def graphed_render(
         return {key: value.clone() for key, value in held["outputs"].items()}
 
     def capture(images: Tensor, params: ViewParams) -> dict[str, Tensor]:
-        from obow.training.graphed import CaptureError
-
         static_images = images.to(device).clone()
         held["inputs"] = (static_images, params)
         g = graph()

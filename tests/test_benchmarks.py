@@ -430,3 +430,45 @@ def test_the_throughput_commands_the_docs_give_parse(throughput):
             throughput.build_parser().parse_args(shlex.split(command))  # argparse exits on a wrong command
             found += 1
     assert found >= 3
+
+
+# ------------------------------------------------------------------ the demo's time on this machine (issue 54)
+
+
+def test_demo_time_reads_the_cpu_kind_and_the_pretrainings_parts(tmp_path):
+    demo_time = load_script("demo_time")
+    kind = demo_time.cpu_kind()
+    assert isinstance(kind["native_bf16"], bool) and kind["cores"] >= 1 and kind["kind"]
+    if Path("/proc/cpuinfo").is_file():
+        assert set(kind["flags"]) == set(demo_time.CPU_FLAGS)
+    log = tmp_path / "log.jsonl"
+    records = [
+        {"epoch": 1, "iteration": 7, "loss": 1.0},
+        {"type": "epoch", "epoch": 1, "iteration": 56, "epoch_time_s": 20.0},
+        {"type": "epoch", "epoch": 2, "iteration": 112, "epoch_time_s": 19.5, "monitor_time_s": 2.5},
+    ]
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert demo_time.pretraining_parts(log) == {
+        "steps": 112,
+        "epochs": 2,
+        "epochs_s": 39.5,
+        "monitor_passes": 1,
+        "monitor_s": 2.5,
+    }
+
+
+@pytest.mark.slow  # a real (tiny) demo in a child process
+def test_demo_time_times_a_tiny_demo_and_writes_its_gain(tmp_path, capsys):
+    from obow.experiments.demo import DATASETS, choose_recipe
+
+    demo_time = load_script("demo_time")
+    out = tmp_path / "demo_time.json"
+    tiny = ["optim.epochs=2", "data.images_per_class=32", "model.num_words=128", "data.num_workers=0"]
+    result = demo_time.main(["--out", str(tmp_path / "runs"), "--seeds", "0", "--json", str(out), *tiny])
+    assert json.loads(out.read_text()) == result
+    (row,) = result["runs"]
+    assert row["recipe"] in ("demo", "demo_fp32") and row["precision"] in ("bf16", "fp32")
+    assert row["recipe"] == choose_recipe(DATASETS["digits"], tiny)[0]  # the demo's own choice for this machine
+    assert row["gain"] == round(row["knn_pretrained"] - row["knn_random_init"], 2)
+    assert row["wall_s"] > 0 and row["cpu_s"] > 0 and row["steps"] > 0 and row["epochs"] == 2
+    assert "seed 0: recipe" in capsys.readouterr().out

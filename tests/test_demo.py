@@ -5,8 +5,18 @@ import pytest
 import torch
 from PIL import Image
 
+from obow.cli import main
 from obow.config import load_config
-from obow.experiments.demo import beats_constant_predictor, demo_settings, run_demo, write_digits
+from obow.config.recipes import _resolve_recipe
+from obow.experiments import demo as demo_module
+from obow.experiments.demo import (
+    DATASETS,
+    beats_constant_predictor,
+    choose_recipe,
+    demo_settings,
+    run_demo,
+    write_digits,
+)
 from obow.methods.obow import OBoW
 from obow.weights.load import load_backbone
 
@@ -79,6 +89,72 @@ def test_demo_keeps_the_decoded_images_in_its_own_folder_unless_told_otherwise(t
     )
     mine = load_config("demo", demo_settings(tmp_path, ["data.cache_dir=/elsewhere", "data.path=/x"], train, val))
     assert (mine.data.cache_dir, mine.data.path) == ("/elsewhere", str(train))  # the folders it wrote win
+
+
+@pytest.fixture
+def cpu_kind(monkeypatch):
+    """``cpu_kind(bf16, gpu=False)``: this machine seen as a CPU with or without native bfloat16 (and a GPU or
+    none), as :func:`choose_recipe` reads it."""
+
+    def set_kind(bf16: bool, gpu: bool = False) -> None:
+        monkeypatch.setattr("obow.training.precision.native_bf16", lambda device: bf16 and device.type == "cpu")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+
+    return set_kind
+
+
+def test_the_demo_picks_its_recipe_by_the_kind_of_cpu(cpu_kind, capsys):
+    digits = DATASETS["digits"]
+    cpu_kind(bf16=True)
+    assert choose_recipe(digits, []) == ("demo", None)  # bf16 in hardware: the demo recipe, as measured
+    cpu_kind(bf16=False)
+    recipe, line = choose_recipe(digits, ["train.seed=2"])
+    assert recipe == "demo_fp32"
+    assert line.startswith("This CPU has no native bf16") and "1 crop an image" in line and "every 4 epochs" in line
+    assert "--recipe demo" in line  # and how to have the other one
+    cpu_kind(bf16=False, gpu=True)  # a GPU trains: the demo recipe, unless the user keeps the run on the CPU
+    assert choose_recipe(digits, []) == ("demo", None)
+    assert choose_recipe(digits, ["train.device=cpu"])[0] == "demo_fp32"
+    cpu_kind(bf16=False)
+    assert choose_recipe(DATASETS["cifar10"], []) == ("demo_cifar10", None)  # one recipe for CIFAR-10
+
+
+def test_the_users_choice_wins_over_the_cpus(cpu_kind, tmp_path):
+    cpu_kind(bf16=False)
+    assert choose_recipe(DATASETS["digits"], [], recipe="demo") == ("demo", None)  # obow demo --recipe demo
+    cpu_kind(bf16=True)
+    assert choose_recipe(DATASETS["digits"], [], recipe="demo_fp32") == ("demo_fp32", None)
+    with pytest.raises(Exception, match="unknown recipe 'nope'"):
+        choose_recipe(DATASETS["digits"], [], recipe="nope")
+    # key=value changes apply to the chosen recipe and win over it
+    train, val = tmp_path / "train", tmp_path / "val"
+    mine = load_config("demo_fp32", demo_settings(tmp_path, ["views.num_crops=2", "train.knn_every=1"], train, val))
+    assert (mine.views.num_crops, mine.train.knn_every) == (2, 1)
+
+
+def test_the_no_bf16_recipe_is_the_demo_recipe_with_one_crop_and_a_quarter_of_the_monitor(cpu_kind):
+    """demo_fp32 changes the views' crops and the monitor's rhythm only: the same network, data, steps, schedule
+    and precision (auto: fp32 on such a CPU); the demo recipe, measured in bf16, is its base, unchanged."""
+    raw = _resolve_recipe("demo_fp32")
+    demo = _resolve_recipe("demo")
+    changed = {
+        (section, key)
+        for section in raw
+        if isinstance(raw[section], dict)
+        for key in raw[section]
+        if raw[section][key] != demo[section].get(key)
+    }
+    assert changed == {("views", "num_crops"), ("train", "knn_every")}
+    cfg = load_config("demo_fp32")
+    assert (cfg.views.num_crops, cfg.train.knn_every, cfg.train.precision, cfg.optim.epochs) == (1, 4, "auto", 16)
+
+
+def test_obow_demo_passes_the_recipe_it_is_given(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(demo_module, "run_demo", lambda out, overrides, dataset, recipe=None: seen.update(locals()))
+    assert main(["demo", "--out", "somewhere", "--recipe", "demo", "train.seed=1"]) == 0
+    assert (seen["recipe"], seen["overrides"], seen["dataset"]) == ("demo", ["train.seed=1"], "digits")
+    assert main(["demo"]) == 0 and seen["recipe"] is None  # the demo's choice for this CPU
 
 
 @pytest.mark.slow

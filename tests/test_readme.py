@@ -109,7 +109,7 @@ def check_obow(argv: list[str]) -> None:
         raise AssertionError(f"README: `{' '.join(argv)}` does not parse (exit {exit_.code})") from None
     recipe = getattr(args, "config", None) or getattr(args, "recipe", None)
     if words[0] == "demo":
-        recipe = "demo" if args.dataset == "digits" else "demo_cifar10"
+        recipe = args.recipe or ("demo" if args.dataset == "digits" else "demo_cifar10")
     if words[0] == "recipes" and args.name:
         recipe = args.name
     if recipe is not None or getattr(args, "overrides", None):

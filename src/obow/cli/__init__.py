@@ -154,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
         "subset that torchvision downloads",
     )
     p.add_argument("--out", help="output folder (default runs/demo, or runs/demo-cifar10)")
+    p.add_argument(
+        "--recipe",
+        help="the recipe to pretrain with (default: the dataset's, or on a CPU without native bf16 demo_fp32 "
+        "for the digits; docs/demo.md)",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="changes to the demo recipe")
     p.set_defaults(func=cmd_demo)
 
@@ -308,7 +313,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     try:
         out = args.out or ("runs/demo" if args.dataset == "digits" else f"runs/demo-{args.dataset}")
-        run_demo(Path(out), list(args.overrides), args.dataset)
+        run_demo(Path(out), list(args.overrides), args.dataset, getattr(args, "recipe", None))
     except Interrupted as err:
         return err.exit_code
     return 0

@@ -21,6 +21,10 @@ runs exactly the code a user runs on their own folders. It then pretrains with t
 training folder (labels unused) and measures the learned student next to the same network at its random
 initialisation (the pretraining run's own starting weights), with the same protocol and features: few-shot
 prototype episodes (the paper's second protocol) and weighted kNN on the validation folder.
+
+The recipe depends on the CPU (:func:`choose_recipe`): the digits train with ``demo`` where the run computes bf16
+natively (or on a GPU), and with ``demo_fp32`` (one crop a step, the kNN monitor every 4 epochs) on a CPU without
+native bf16, where the ``demo`` recipe in fp32 took 6.3 minutes on 2 cores (docs/demo.md, "Two kinds of CPU").
 """
 
 from __future__ import annotations
@@ -32,11 +36,15 @@ import time
 import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
 
 from obow.files import writing
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("obow")
 
@@ -61,14 +69,16 @@ class DemoDataUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class DemoData:
-    """One of the demo's datasets: what the table calls it and which recipe trains on it."""
+    """One of the demo's datasets: what the table calls it and which recipe trains on it; ``no_bf16_recipe``, when
+    given, is the recipe on a CPU without native bfloat16 (:func:`choose_recipe`)."""
 
     title: str
     recipe: str
+    no_bf16_recipe: str | None = None
 
 
 DATASETS = {
-    "digits": DemoData("Digit mosaics (scikit-learn's digits)", "demo"),
+    "digits": DemoData("Digit mosaics (scikit-learn's digits)", "demo", "demo_fp32"),
     "cifar10": DemoData(f"CIFAR-10 ({CIFAR10_PER_CLASS[0]} + {CIFAR10_PER_CLASS[1]} images a class)", "demo_cifar10"),
 }
 
@@ -221,8 +231,49 @@ def demo_settings(out: Path, overrides: list[str], train_dir: Path, val_dir: Pat
     ]
 
 
-def run_demo(out: Path, overrides: list[str], dataset: str = "digits") -> dict:
-    """Write the data, pretrain with the dataset's recipe, compare with random init; return the numbers."""
+def training_device(cfg_device: str) -> torch.device:
+    """The device a run with ``train.device: cfg_device`` trains on (as :func:`obow.training.build.setup_process`
+    chooses it for one process): the GPU when one is visible and not refused, else the CPU."""
+    import torch
+
+    return torch.device("cuda" if cfg_device != "cpu" and torch.cuda.is_available() else "cpu")
+
+
+def choose_recipe(data: DemoData, overrides: list[str], recipe: str | None = None) -> tuple[str, str | None]:
+    """The recipe the demo trains ``data`` with on this machine, and the line that says why when it is not the
+    dataset's own: ``recipe`` when the user named one (``obow demo --recipe``); else, on a CPU without native
+    bfloat16 (:func:`obow.training.precision.native_bf16`: no AVX-512 BF16 or AMX, where ``train.precision:
+    auto`` runs fp32), ``data.no_bf16_recipe`` (``demo_fp32``: one crop a step, the kNN monitor every 4 epochs,
+    0.6 of the CPU time; the ``demo`` recipe took 6.3 minutes on a 2-core AVX2-only CPU, docs/demo.md); else
+    ``data.recipe``. The
+    device is the one the run would train on with the user's ``overrides`` (``train.device``); their
+    ``key=value`` changes apply to whichever recipe is chosen, and win over it."""
+    from obow.config import load_config, parse_override
+    from obow.training.precision import native_bf16
+
+    if recipe is not None:
+        load_config(recipe)  # an unknown recipe: an error before the data is written
+        return recipe, None
+    if data.no_bf16_recipe is None:
+        return data.recipe, None
+    asked = [parse_override(item).get("train", {}) for item in overrides]
+    devices = [train["device"] for train in asked if isinstance(train, dict) and "device" in train]
+    device = training_device(devices[-1] if devices else load_config(data.recipe).train.device)
+    if device.type != "cpu" or native_bf16(device):
+        return data.recipe, None
+    cfg = load_config(data.no_bf16_recipe)
+    line = (
+        f"This CPU has no native bf16 (no AVX-512 BF16 or AMX), so the demo runs in fp32 with the "
+        f"'{data.no_bf16_recipe}' recipe: {cfg.views.num_crops} crop{'s' * (cfg.views.num_crops != 1)} an image a "
+        f"step and the kNN monitor every {cfg.train.knn_every} epochs, to end within 5 minutes (docs/demo.md, "
+        f"'Two kinds of CPU'); `obow demo --recipe {data.recipe}` runs the '{data.recipe}' recipe."
+    )
+    return data.no_bf16_recipe, line
+
+
+def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: str | None = None) -> dict:
+    """Write the data, pretrain with the dataset's recipe (or the one :func:`choose_recipe` picks for this CPU,
+    or ``recipe``), compare with random init; return the numbers."""
     import torch
 
     from obow.config import load_config
@@ -240,9 +291,12 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits") -> dict:
 
     check_choice("dataset", dataset, tuple(DATASETS))
     data = DATASETS[dataset]
+    recipe, why = choose_recipe(data, overrides, recipe)
+    if why:
+        print(why, flush=True)
     train_dir, val_dir = write_demo_data(dataset, out / "data")
-    cfg = load_config(data.recipe, demo_settings(out, overrides, train_dir, val_dir))
-    log.info("Demo: pretraining %s on %s (recipe '%s')", cfg.model.arch, train_dir, data.recipe)
+    cfg = load_config(recipe, demo_settings(out, overrides, train_dir, val_dir))
+    log.info("Demo: pretraining %s on %s (recipe '%s')", cfg.model.arch, train_dir, recipe)
     result = pretrain(cfg, out / "pretrain", monitor=KNNMonitor)
     pretrain_time = time.time() - start
 
@@ -280,6 +334,7 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits") -> dict:
         "pretrain_seconds": pretrain_time,
         "total_seconds": total,
         "dataset": dataset,
+        "recipe": recipe,
         "out": str(out),
     }
     with writing(out / "demo_results.json") as path, open(path, "w") as f:

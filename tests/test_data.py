@@ -584,3 +584,17 @@ def test_tiny_images_are_named_in_their_items(tmp_path):
     batch = collate([{**item, "image": 0} for item in items.values()])
     assert sorted(side for _, side in batch["tiny"]) == [1, 2] and batch["skipped"] == []
     assert all(item["tiny"] == () for item in map(ImageDataset(images).__getitem__, range(4)))  # by default none
+
+
+@pytest.mark.parametrize("recipe", ["demo", "demo_fp32", "cifar10_fast", "cifar10_resnet18", "imagenette_fast"])
+def test_the_recipes_own_images_are_not_tiny_and_a_pixel_is(recipe):
+    """The side the views are made from counts the patch grid only where there are patches: the demo's 32 px
+    mosaics (no patches, a 28 px teacher resize, a 256 px default grid size) were all reported tiny, one warning
+    each, when the grid's size counted; CIFAR-10's 32 px images are not tiny for its recipes either."""
+    from obow.config import load_config
+    from obow.data.folders import tiny_below
+    from obow.methods import used_side
+
+    views = load_config(recipe, []).views
+    own = 32 if recipe != "imagenette_fast" else 160
+    assert own >= tiny_below(used_side(views)) > 1

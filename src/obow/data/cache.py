@@ -155,11 +155,16 @@ def _decode(path: str, side: int) -> np.ndarray | None:
 
 
 def build_cache(
-    images: ImageList, views_side: int, cache_size: int | None = None, cache_dir: str | os.PathLike | None = None
+    images: ImageList,
+    views_side: int,
+    cache_size: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    tiny_side: int | None = None,
 ) -> ImageCache:
     """The decoded images of ``images``: read from ``cache_dir`` when a cache of the same contents and size is
     there, else decoded (threads) and written there first. Raises ``ValueError`` (one line) when the folder cannot
-    be cached: no readable image, or a cache folder that cannot be written."""
+    be cached: no readable image, or a cache folder that cannot be written. ``tiny_side``: the side the views are
+    made from, which tells the tiny images (:func:`obow.data.folders.tiny_below`; default ``views_side``)."""
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     prefix = f"{folder_key(images.root)}-{contents_key(images)}"
     sizes = known_summary(folder, prefix) or sizes_summary(images)
@@ -181,7 +186,7 @@ def build_cache(
         pixels, where = np.memmap(file, dtype=np.uint8, mode="r", shape=shape), "memory-mapped"
     labels = None if images.labels is None else [images.labels[i] for i in kept]
     readable = replace(images, paths=[images.paths[i] for i in kept], labels=labels)
-    below, shorter = tiny_below(views_side), sizes["shorter"]
+    below, shorter = tiny_below(views_side if tiny_side is None else tiny_side), sizes["shorter"]
     tiny = {position: shorter[i] for position, i in enumerate(kept) if shorter[i] < below}
     return ImageCache(pixels, readable, side, file, where, sizes["not_square"], tiny)
 

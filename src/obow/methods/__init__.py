@@ -84,6 +84,13 @@ def views_side(views: ViewsConfig) -> int:
     return max(views.teacher_resize, views.patch_grid_size, views.teacher_size)
 
 
+def used_side(views: ViewsConfig) -> int:
+    """The largest image the views are actually made from: the teacher's resize, and the patch grid only when there
+    are patches (:func:`views_side` counts the grid's size even without them: the cache's size, kept as it was).
+    Under a quarter of it, an image is tiny (:func:`obow.data.folders.tiny_below`)."""
+    return max(views.teacher_resize, views.teacher_size, views.patch_grid_size if views.num_patches else 0)
+
+
 def build_batched_views(cfg: Config, side: int) -> BatchedViews:
     """:func:`build_views`' views for whole batches of decoded ``side`` px squares (``data.pipeline: device``)."""
     from obow.data.batched_views import BatchedViews

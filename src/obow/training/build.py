@@ -20,7 +20,7 @@ from obow.data.batched_views import compiled_render, graphed_render
 from obow.data.cache import ImageCache, build_cache
 from obow.data.device_loader import DeviceLoader
 from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loader, scan_images, tiny_below
-from obow.methods import build_batched_views, build_method, build_views, views_side
+from obow.methods import build_batched_views, build_method, build_views, used_side, views_side
 from obow.methods.base import Method
 from obow.training import compiled as compiled_module
 from obow.training import graphed
@@ -101,7 +101,7 @@ def build_data(
         log_main("Data: views made on the %s%s from %s%s", device.type, how, cache.describe(), held)
         return images, sampler, loader
     loader = build_loader(
-        ImageDataset(images, build_views(cfg), tiny_below=tiny_below(views_side(cfg.views))),
+        ImageDataset(images, build_views(cfg), tiny_below=tiny_below(used_side(cfg.views))),
         sampler,
         local_batch,
         num_workers=cfg.data.num_workers,
@@ -117,7 +117,9 @@ def shared_cache(images: ImageList, cfg: Config, device: torch.device) -> ImageC
     process stops (the others with a line that points at its message) instead of waiting for it."""
 
     def build() -> ImageCache:
-        return build_cache(images, views_side(cfg.views), cfg.data.cache_size, cfg.data.cache_dir)
+        return build_cache(
+            images, views_side(cfg.views), cfg.data.cache_size, cfg.data.cache_dir, tiny_side=used_side(cfg.views)
+        )
 
     if not D.is_distributed():
         return build()

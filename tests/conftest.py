@@ -75,6 +75,20 @@ train: {log_every: 1, knn_every: 1, knn_k: 5, progress_bar: false, deterministic
 """
 
 
+#: A tiny two-level recipe (conv4 and conv5, OBoW (full)'s levels) on a narrow network, for whole tables and the
+#: GPU claim's dry run on a CPU.
+TWO_LEVEL_RECIPE = """
+description: tiny two-level base for tables and the GPU claim's dry run
+model: {arch: "timm:resnet18", arch_options: {channels: [8, 16, 32, 64], stem_width: 8}, stem: cifar,
+        levels: [conv4, conv5], num_words: 16, kappa: 5.0, delta_base: 1/10, border: 0}
+views: {teacher_resize: 28, teacher_size: 24, num_crops: 2, crop_size: 16, num_patches: 2, patch_size: 8,
+        patch_jitter: 2, patch_grid_size: 24, blur_sigma: [0.05, 0.3]}
+data: {batch_size: 8, num_workers: 0}
+optim: {epochs: 4, lr: 0.05, warmup_epochs: 1, end_lr: 0.0, weight_decay: 5.0e-4}
+train: {log_every: 1, knn_every: 0, progress_bar: false, tensorboard: false}
+"""
+
+
 def write_class_images(root: Path, per_class: int = 12, classes: int = 2, size: int = 32, seed: int = 0) -> Path:
     """``root/class{c}/NNN.png``: noisy images whose dominant colour channel is the class (c mod 3)."""
     rng = np.random.default_rng(seed)

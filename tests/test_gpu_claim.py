@@ -19,17 +19,8 @@ from obow.experiments.tables import TABLES, aggregate, select_rows, table_tasks
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_claim.py"
 
-#: A network small enough for a dry run of the whole call on a CPU, with both BoW levels (OBoW full's).
-TINY = """
-description: tiny base for the claim's dry run
-model: {arch: "timm:resnet18", arch_options: {channels: [8, 16, 32, 64], stem_width: 8}, stem: cifar,
-        levels: [conv4, conv5], num_words: 16, kappa: 5.0, delta_base: 1/10, border: 0}
-views: {teacher_resize: 28, teacher_size: 24, num_crops: 2, crop_size: 16, num_patches: 2, patch_size: 8,
-        patch_jitter: 2, patch_grid_size: 24, blur_sigma: [0.05, 0.3]}
-data: {batch_size: 8, num_workers: 0}
-optim: {epochs: 4, lr: 0.05, warmup_epochs: 1, end_lr: 0.0, weight_decay: 5.0e-4}
-train: {log_every: 1, knn_every: 0, progress_bar: false, tensorboard: false}
-"""
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import TWO_LEVEL_RECIPE  # noqa: E402 - a network small enough for a dry run of the whole call
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +268,7 @@ def test_a_dry_run_of_the_call_probes_chooses_copies_as_it_grows_and_returns_cur
     fit, the rows' logs grow in OUT while the table trains, and the cut at the deadline still leaves the kNN curve
     there."""
     recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(TINY)
+    recipe.write_text(TWO_LEVEL_RECIPE)
     data = tmp_path / "c10"
     write_images(data / "train", per_class=8, size=32)
     write_images(data / "test", per_class=6, size=32, seed=1)

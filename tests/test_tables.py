@@ -5,6 +5,8 @@ import json
 import math
 import os
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,16 +30,8 @@ from obow.experiments.tables.plan import table_pipeline, table_precision
 from obow.experiments.tables.records import _shared_text, machine_description
 from obow.training import precision as prec
 
-TINY = """
-description: tiny base for tables
-model: {arch: "timm:resnet18", arch_options: {channels: [8, 16, 32, 64], stem_width: 8}, stem: cifar,
-        levels: [conv4, conv5], num_words: 16, kappa: 5.0, delta_base: 1/10, border: 0}
-views: {teacher_resize: 28, teacher_size: 24, num_crops: 2, crop_size: 16, num_patches: 2, patch_size: 8,
-        patch_jitter: 2, patch_grid_size: 24, blur_sigma: [0.05, 0.3]}
-data: {batch_size: 8, num_workers: 0}
-optim: {epochs: 4, lr: 0.05, warmup_epochs: 1, end_lr: 0.0, weight_decay: 5.0e-4}
-train: {log_every: 1, knn_every: 0, progress_bar: false, tensorboard: false}
-"""
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import TWO_LEVEL_RECIPE  # noqa: E402
 
 
 def test_every_row_of_every_table_is_a_valid_recipe():
@@ -109,7 +103,7 @@ def test_aggregate_is_the_mean_and_sample_deviation_over_seeds():
 
 def test_seconds_per_step_times_every_config_in_alternating_rounds(tmp_path, write_images):
     recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(TINY)
+    recipe.write_text(TWO_LEVEL_RECIPE)
     write_images(tmp_path / "train", per_class=4, size=28)  # 3 batches of 8: the rounds wrap around the epoch
     base = [f"data.path={tmp_path / 'train'}"]
     configs = {
@@ -122,7 +116,7 @@ def test_seconds_per_step_times_every_config_in_alternating_rounds(tmp_path, wri
 
 def _tiny_table(tmp_path, write_images):
     recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(TINY)
+    recipe.write_text(TWO_LEVEL_RECIPE)
     data = tmp_path / "data"
     write_images(data / "train", per_class=8, size=28)
     write_images(data / "test", per_class=6, size=28, seed=1)
@@ -366,7 +360,7 @@ def test_markdown_names_the_changes_made_to_every_row():
 
 def test_tiny_table3_run_writes_the_table_and_resumes_without_retraining(tmp_path, write_images, obow_cli):
     recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(TINY)
+    recipe.write_text(TWO_LEVEL_RECIPE)
     data = tmp_path / "data"
     write_images(data / "train", per_class=8, size=28)
     write_images(data / "test", per_class=6, size=28, seed=1)

@@ -41,7 +41,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -62,8 +61,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("obow")
-
-T = TypeVar("T")
 
 #: Unlogged eager steps before the capture: PyTorch asks for a few on a side stream (cuDNN's benchmark mode tries
 #: its algorithms on the first calls of each shape; lazily made state, such as gradients, exists afterwards).

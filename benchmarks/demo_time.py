@@ -7,7 +7,7 @@ wall time, the child's CPU time (user and system: on a quiet machine a 2-thread 
 it; on a loaded one the wall time grows and the CPU time much less), the load average before and after, the
 recipe and precision the run used, the pretraining's time per part (the epochs' steps, the kNN monitor: from the
 run's ``log.jsonl``) and the kNN gain (pretrained minus random init, ``demo_results.json``). Beside them: the CPU
-kind (model name, AVX2 / AVX-512F / AVX-512 BF16 / AMX flags, :func:`obow.training.precision.native_bf16`), the
+kind (model name, AVX2 / AVX-512F / AVX-512 BF16 / AMX flags, :func:`obow.training.run.precision.native_bf16`), the
 cores and the torch version. Prints one line per seed and writes ``--json``.
 
     python benchmarks/demo_time.py --json demo_time.json                 # seed 0: the demo's timing here
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from obow.training.precision import native_bf16
+from obow.training.run.precision import native_bf16
 
 #: /proc/cpuinfo flags that decide which arithmetic a CPU computes fast.
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")

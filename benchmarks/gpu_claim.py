@@ -87,7 +87,7 @@ class Interval:
 
 def intervals(records: list[dict[str, Any]], batch: int) -> list[Interval]:
     """The timed intervals of a run's ``log.jsonl`` records: each logged step's ``images_per_s`` covers the steps
-    since the logged step before it (:class:`obow.training.logger.RunLogger`), so its seconds are ``steps x batch
+    since the logged step before it (:class:`obow.training.run.logger.RunLogger`), so its seconds are ``steps x batch
     / images_per_s``."""
     steps = [r for r in records if r.get("type") is None and "iteration" in r]
     found = []
@@ -524,7 +524,7 @@ def probe(call: Call, data: Data, recipe: str, step: str) -> Probe:
     each has ``--probe-measure`` seconds timed after ``--warmup-steps`` (at most ``--probe-s`` seconds, and never
     past the deadline); their pace from their ``log.jsonl``."""
     from obow.experiments.tables import fill_placeholders
-    from obow.training.threads import available_cores
+    from obow.training.run.threads import available_cores
 
     args = call.args
     why = step_accepted(recipe, step)
@@ -624,7 +624,7 @@ def estimate_for(call: Call, data: Data, recipe: str, found: Probe, decode_s: fl
     the protocol's CPU work by :func:`time_protocol`) and what is
     stated (``--table-start-s``, ``--monitor-pass-s``, ``--eval-start-s``, and ``--epoch-end-s`` when the probe saw
     no epoch end; docs/results/tables/cifar10-mocov2-gpu/README.md says why these values)."""
-    from obow.training.threads import available_cores
+    from obow.training.run.threads import available_cores
 
     args = call.args
     if recipe not in call.protocols:

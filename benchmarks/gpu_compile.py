@@ -36,7 +36,7 @@ from pathlib import Path
 import throughput
 import torch
 
-from obow.training import compiled as compiled_module
+from obow.training.step import compiled as compiled_module
 
 
 class Reasons(logging.Handler):

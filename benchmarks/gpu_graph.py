@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import throughput  # noqa: E402
 
 from obow.schedules import learning_rate  # noqa: E402
-from obow.training import graphed  # noqa: E402
-from obow.training.logger import logged_step  # noqa: E402
 from obow.training.loop import train_step  # noqa: E402
+from obow.training.run.logger import logged_step  # noqa: E402
+from obow.training.step import graphed  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

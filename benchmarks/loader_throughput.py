@@ -29,8 +29,8 @@ from obow.config import load_config
 from obow.data.folders import EpochSampler, ImageDataset, build_loader, scan_images
 from obow.data.transforms import OBoWViews
 from obow.methods.obow import OBoW
-from obow.training.precision import precision_context
-from obow.training.steps import forward_backward
+from obow.training.run.precision import precision_context
+from obow.training.step.shared import forward_backward
 
 
 def synthetic_folder(root: Path, count: int, size: int) -> Path:

@@ -42,8 +42,8 @@ from obow.evaluate.monitor import KNNMonitor
 from obow.evaluate.protocol import evaluate_backbone
 from obow.experiments.budget import plan_epochs, seconds_per_step, short_run_warmup
 from obow.files import WriteError, writing
-from obow.training.lock import FolderInUse, RunLock
 from obow.training.loop import pretrain
+from obow.training.run.lock import FolderInUse, RunLock
 from obow.weights.load import load_backbone
 
 

@@ -17,8 +17,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from obow.config import load_config
 from obow.training.build import build_model, build_optimizer
-from obow.training.compiled import CompiledStep, step_per_group
-from obow.training.steps import forward_backward
+from obow.training.step.compiled import CompiledStep, step_per_group
+from obow.training.step.shared import forward_backward
 
 
 def random_views(cfg, batch: int, generator: torch.Generator) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -55,8 +55,9 @@ from obow.config import Config, load_config
 from obow.methods import build_views
 from obow.training.build import build_model, build_optimizer, prepare_step_model
 from obow.training.loop import Run, train_step
-from obow.training.precision import native_bf16, precision_context, resolve_precision
-from obow.training.steps import build_step, to_device
+from obow.training.run.precision import native_bf16, precision_context, resolve_precision
+from obow.training.step import build_step
+from obow.training.step.shared import to_device
 
 MODES = ("obow", "floor", "supervised")
 

@@ -47,13 +47,13 @@ import torch
 
 from obow.config import Config, load_config
 from obow.data.folders import scan_images
-from obow.training import compiled as compiled_module
-from obow.training import graphed as graphed_module
 from obow.training.build import build_data, build_model, build_optimizer, prepare_step_model
-from obow.training.graphed import GraphedStep
 from obow.training.loop import Run, train_step
-from obow.training.settle import resolve_pipeline
-from obow.training.steps import build_step, check_step_mode
+from obow.training.run.settle import resolve_pipeline
+from obow.training.step import build_step, check_step_mode
+from obow.training.step import compiled as compiled_module
+from obow.training.step import graphed as graphed_module
+from obow.training.step.graphed import GraphedStep
 
 
 def synchronize(device: torch.device) -> None:

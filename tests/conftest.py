@@ -23,7 +23,7 @@ from PIL import Image
 # spin against each other (the tiny table run took 60 s with two threads beside other jobs, 6 s with one). The
 # subprocesses that the tests start get OMP_NUM_THREADS=1 for the same reason.
 torch.set_num_threads(1)
-os.environ["OMP_NUM_THREADS"] = "1"  # and pretrain keeps to it (obow.training.threads.choose_threads)
+os.environ["OMP_NUM_THREADS"] = "1"  # and pretrain keeps to it (obow.training.run.threads.choose_threads)
 
 # ------------------------------------------------------------------------------------------------ the slow marker
 

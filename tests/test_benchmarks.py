@@ -203,7 +203,7 @@ def test_throughput_times_the_compile_settings_in_the_same_rounds(
 ):
     """``--compile off step``: both settings timed in each round, the warm-up (the compilation) apart; the step
     traced by Dynamo and run by aot_eager (Inductor's C++ takes minutes on a CPU), no CUDA graphs on a CPU."""
-    from obow.training import compiled
+    from obow.training.step import compiled
 
     monkeypatch.setattr(compiled, "BACKEND", compiled.BACKEND)  # restored after: main sets them
     monkeypatch.setattr(compiled, "OPTIONS", compiled.OPTIONS)
@@ -229,7 +229,7 @@ def test_throughput_times_off_against_graph_and_writes_each_measurement_at_once(
     """``--compile off graph --stand-in --jsonl``: both settings in each round, the graphed one captured during its
     warm-up (the tape standing in for the CUDA graph) and replayed in the timings; one JSON line per warm-up and per
     round of each measure, written as they are made, then the summary."""
-    from obow.training import graphed
+    from obow.training.step import graphed
 
     monkeypatch.setattr(graphed, "STAND_IN", graphed.STAND_IN)  # restored after: main sets it
     data = write_images(tmp_path / "data", per_class=8, size=20)
@@ -256,7 +256,7 @@ def test_gpu_graph_smoke_runs_on_the_cpu_with_the_tape(tmp_path, tiny_recipe, wr
     """benchmarks/gpu_graph.py's plumbing on a CPU: the capture, the graphed run against the eager one from one state
     (the tape replays the eager step bit for bit), the synchronisation check skipped (no CUDA), every part a JSON
     line."""
-    from obow.training import graphed
+    from obow.training.step import graphed
 
     monkeypatch.setattr(graphed, "STAND_IN", graphed.STAND_IN)
     gpu_graph = load_script("gpu_graph")
@@ -281,7 +281,7 @@ def test_gpu_graph_smoke_runs_on_the_cpu_with_the_tape(tmp_path, tiny_recipe, wr
 def test_gpu_compile_checks_run_on_the_cpu(throughput, tmp_path, tiny_recipe, write_images, monkeypatch):
     """benchmarks/gpu_compile.py's plumbing: a compiled step warmed up (the first step logged) and counted; on a CPU
     no CUDA graph and no synchronisation check."""
-    from obow.training import compiled
+    from obow.training.step import compiled
 
     monkeypatch.setattr(compiled, "BACKEND", compiled.BACKEND)
     gpu_compile = load_script("gpu_compile")

@@ -1,4 +1,4 @@
-"""``train.compile: step`` (obow.training.compiled): the setting, the refusals, the pieces of the step that must
+"""``train.compile: step`` (obow.training.step.compiled): the setting, the refusals, the pieces of the step that must
 not read the device or change shape with the data, and (slow: each compiled variant takes half a minute of Dynamo
 on a busy 2-core CPU, even on the one-block network of :func:`compile_config`) the compiled step against the eager
 one, step for step, and a whole run with no recompilation."""
@@ -22,10 +22,11 @@ from obow.bow.vocabulary import KMeansVocabulary
 from obow.config import Config, ConfigError, from_dict
 from obow.methods import base
 from obow.methods.base import ema_update_
-from obow.training import compiled as compiled_module
 from obow.training.build import build_model, build_optimizer
-from obow.training.compiled import CompiledStep, configure_optimizer
-from obow.training.steps import check_step_mode, forward_backward
+from obow.training.step import check_step_mode
+from obow.training.step import compiled as compiled_module
+from obow.training.step.compiled import CompiledStep
+from obow.training.step.shared import configure_optimizer, forward_backward
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import TINY_RECIPE  # noqa: E402
@@ -228,7 +229,7 @@ def test_step_falls_back_to_the_whole_backward_where_dynamo_cannot_make_leaf_ten
     """Where Dynamo refuses ``Tensor.requires_grad_`` in a graph (torch 2.11), ``train.backward_per_group`` cannot
     compile (the per-group step makes the prediction weights leaves): the compiled step back-propagates the whole
     loss, saying so in one line. Eager steps keep their setting."""
-    from obow.training.steps import step_forward_backward
+    from obow.training.step import step_forward_backward
 
     patch_tensor_method(monkeypatch, "requires_grad_", refuse_requires_grad_as_torch_2_11)
     assert not compiled_module.traces_leaf_tensors()
@@ -236,7 +237,7 @@ def test_step_falls_back_to_the_whole_backward_where_dynamo_cannot_make_leaf_ten
     model = build_model(cfg, 10, torch.device("cpu"))
     assert model.supports_groups
     calls = []
-    monkeypatch.setattr("obow.training.steps.forward_backward", lambda *args: calls.append(args[-1]) or {})
+    monkeypatch.setattr("obow.training.step.forward_backward", lambda *args: calls.append(args[-1]) or {})
     with caplog.at_level("WARNING", logger="obow"):
         step_forward_backward(cfg, model)(*random_batch(0))
     assert calls == [False]
@@ -506,8 +507,9 @@ def test_a_compiled_run_never_recompiles_and_its_checkpoints_move_to_and_from_ea
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from obow.config import load_config
-    from obow.training import build, compiled
+    from obow.training import build
     from obow.training.loop import pretrain
+    from obow.training.step import compiled
     from obow.weights.checkpoint import load_checkpoint
 
     data = write_images(tmp_path / "data")  # 24 images: 3 steps an epoch

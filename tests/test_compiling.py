@@ -1,4 +1,4 @@
-"""A run that compiles (obow.training.compiling): what it says about compiling, and a signal that comes while a step
+"""A run that compiles (obow.training.step.watch): what it says about compiling, and a signal that comes while a step
 compiles stopping the run within seconds, with one line, no traceback and no compiler left running.
 
 In this process, toy functions compiled by Dynamo with backends that stand for a long compilation; in subprocesses
@@ -25,9 +25,9 @@ import yaml
 from conftest import TINY_RECIPE, write_checkpoint
 
 from obow.config import Config, from_dict
-from obow.training.compiling import CompileWatch
-from obow.training.logger import RunLogger
-from obow.training.state import Interrupted, handle_signals
+from obow.training.run.logger import RunLogger
+from obow.training.run.state import Interrupted, handle_signals
+from obow.training.step.watch import CompileWatch
 
 
 def config(compile_mode: str) -> Config:

@@ -97,7 +97,7 @@ def cpu_kind(monkeypatch):
     none), as :func:`choose_recipe` reads it."""
 
     def set_kind(bf16: bool, gpu: bool = False) -> None:
-        monkeypatch.setattr("obow.training.precision.native_bf16", lambda device: bf16 and device.type == "cpu")
+        monkeypatch.setattr("obow.training.run.precision.native_bf16", lambda device: bf16 and device.type == "cpu")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
 
     return set_kind

@@ -21,7 +21,7 @@ from obow.data.batched_views import BatchedViews, compiled_render
 from obow.data.cache import build_cache
 from obow.data.device_loader import DeviceLoader, made_ahead
 from obow.data.folders import EpochSampler, scan_images
-from obow.training.state import RunError
+from obow.training.run.state import RunError
 
 
 def write_squares(folder, n: int, side: int = 12, seed: int = 0) -> list[np.ndarray]:
@@ -290,8 +290,8 @@ def test_an_auto_pipeline_is_recorded_and_a_resume_keeps_it_on_another_device(
     meant ``device`` (a GPU) and resumed where it means ``workers`` (a CPU) keeps making its views on the device;
     a new run there takes that machine's choice; a run from before the choice was recorded (``auto`` in its
     ``config.yaml`` and checkpoint) resumes with ``auto`` and the rule it had."""
-    from obow.training import settle
     from obow.training.loop import pretrain
+    from obow.training.run import settle
 
     data = write_images(tmp_path / "data", per_class=4, size=20)
     out = tmp_path / "run"

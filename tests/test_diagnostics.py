@@ -61,7 +61,7 @@ def test_bad_shapes_are_rejected():
 
 @pytest.mark.parametrize("interval", [1, 3, 4, 7])
 def test_logged_steps_counts_what_logged_step_selects(interval):
-    from obow.training.logger import logged_step, logged_steps
+    from obow.training.run.logger import logged_step, logged_steps
 
     for first in range(0, 15):
         for steps in range(0, 12):
@@ -76,8 +76,8 @@ def test_a_run_computes_the_diagnostics_on_its_logged_steps_and_averages_them_pe
     """The effective rank's SVD costs more than a small GPU step, so only the logged steps compute it; the epoch
     record's value is the mean of theirs."""
     from obow.config import load_config
-    from obow.training import logger
     from obow.training.loop import pretrain
+    from obow.training.run import logger
 
     monkeypatch.setattr(logger, "MIN_LOGGED_STEPS", 1)  # a short run would otherwise log every step
 
@@ -96,7 +96,7 @@ def test_a_run_computes_the_diagnostics_on_its_logged_steps_and_averages_them_pe
 
 def test_the_progress_bar_reads_the_loss_on_logged_steps_only():
     """On a GPU reading a step's loss waits for the device; the bar shows the last logged step's between them."""
-    from obow.training.logger import Progress
+    from obow.training.run.logger import Progress
 
     class Unread:
         def __float__(self):

@@ -27,7 +27,7 @@ from obow.bow.vocabulary import KMeansVocabulary, QueueVocabulary
 from obow.config import ModelConfig
 from obow.distributed import ddp_without_buffer_sync
 from obow.methods.obow import OBoW
-from obow.training.steps import forward_backward
+from obow.training.step.shared import forward_backward
 
 WORLD = 2
 BATCH = 8  # global

@@ -9,10 +9,10 @@ import pytest
 
 from obow.config import load_config
 from obow.schedules import learning_rate
-from obow.training.logger import log_interval
 from obow.training.loop import pretrain
-from obow.training.state import RunError
-from obow.training.threads import busy_machine_hint, choose_threads
+from obow.training.run.logger import log_interval
+from obow.training.run.state import RunError
+from obow.training.run.threads import busy_machine_hint, choose_threads
 from obow.weights.checkpoint import load_checkpoint
 
 V1 = Path(__file__).parent / "data" / "v1_run"  # a narrow network, 24 images, batch 8: 3 steps an epoch

@@ -1,6 +1,6 @@
-"""``train.compile: graph`` (obow.training.graphed): the eager step captured once and replayed.
+"""``train.compile: graph`` (obow.training.step.graphed): the eager step captured once and replayed.
 
-A CPU has no CUDA graphs, so the step is captured here by :class:`~obow.training.graphed.TapeGraph`, which replays
+A CPU has no CUDA graphs, so the step is captured here by :class:`~obow.training.step.graphed.TapeGraph`, which replays
 what a CUDA graph would: the operators of one captured step, on the same tensors, with every non-tensor argument
 frozen as captured. A step that the tape replays as the eager loop computes, over steps whose learning rate,
 teacher momentum, cut-mix draws and data all change, reads no per-step host value; a host read or a tensor made
@@ -23,10 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from obow import graphs
 from obow.config import Config, from_dict, load_config
-from obow.training import graphed
 from obow.training.build import build_model, build_optimizer
-from obow.training.graphed import CaptureError, GraphedStep, TapeGraph
-from obow.training.steps import EagerStep, build_step, step_forward_backward
+from obow.training.step import EagerStep, build_step, graphed, step_forward_backward
+from obow.training.step.graphed import CaptureError, GraphedStep, TapeGraph
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import TINY_RECIPE  # noqa: E402
@@ -236,7 +235,7 @@ def storages(model, optimizer, step: GraphedStep) -> dict[str, int]:
 def test_every_tensor_of_the_step_keeps_its_storage(tmp_path):
     """Parameters, gradients, buffers, optimiser state, learning rate, momentum, inputs and host draws keep their
     memory from the first step on, across the warm-up, the capture, replays, logged steps and a checkpoint save."""
-    from obow.training.state import RunState, save_run
+    from obow.training.run.state import RunState, save_run
 
     cfg = tiny_config(model={"cutmix": True, "vocabulary": "kmeans", "rare_word_steps": 2})
     model = build_model(cfg, 20, CPU).train()
@@ -293,7 +292,7 @@ def test_the_graphed_render_makes_the_eager_views(caplog):
 @pytest.fixture
 def stand_in(monkeypatch):
     """The tape for a graph, and every third step logged (a short run logs every step otherwise: the log's curve)."""
-    from obow.training import logger
+    from obow.training.run import logger
 
     monkeypatch.setattr(graphed, "STAND_IN", True)
     monkeypatch.setattr(logger, "MIN_LOGGED_STEPS", 4)
@@ -367,7 +366,7 @@ def test_a_graphed_run_stopped_by_sigterm_resumes_to_the_uninterrupted_state(
     """SIGTERM after the 6th step (after the capture, between two replays): the run writes its checkpoint and
     stops; the same command resumes (a new capture) and ends in the uninterrupted graphed run's state."""
     from obow.training import loop
-    from obow.training.state import Interrupted
+    from obow.training.run.state import Interrupted
 
     settings = run_settings(tmp_path, write_images)
     cfg = load_config(tiny_recipe, [*settings, "train.compile=graph"])
@@ -395,7 +394,7 @@ def test_a_graphed_run_stopped_by_sigterm_resumes_to_the_uninterrupted_state(
 def test_the_graphed_optimiser_is_fused_with_a_tensor_learning_rate_and_moves_to_eager():
     """A graphed step's optimiser (fused, 0-d tensor learning rate) saves a state the eager step loads (fused,
     float learning rate), the momentum buffers untouched, and back."""
-    from obow.training.compiled import configure_optimizer
+    from obow.training.step.shared import configure_optimizer
 
     cfg = tiny_config()
     model = build_model(cfg, 10, CPU)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).parent.parent / "src" / "obow"
 
 #: The floors of the package, bottom first: a module imports only from the floors below its own
@@ -125,3 +127,122 @@ def test_light_entry_points_do_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+# ------------------------------------------------------------------------------------- inside obow.training
+
+TRAINING = PACKAGE / "training"
+
+#: The floors of obow.training, bottom first (docs/development.md): the run (its folder and settled settings),
+#: what the step's modes share, the modes and the compile watch, the step's package (its call and
+#: ``build_step``), the parts the loop is built from, the loop. A module imports only from floors below its own,
+#: except the run's modules, which import one another (without a circle).
+TRAINING_FLOORS = (
+    ("run", "run.state", "run.lock", "run.logger", "run.settle", "run.threads", "run.precision"),
+    ("step.shared",),
+    ("step.eager", "step.compiled", "step.graphed", "step.watch"),
+    ("step",),
+    ("build",),
+    ("loop",),
+)
+TRAINING_FLOOR = {m: i for i, modules in enumerate(TRAINING_FLOORS) for m in modules}
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    """``obow.training.step.shared`` for ``.../obow/training/step/shared.py``; a package for its ``__init__``."""
+    parts = ("obow", *path.relative_to(package).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def training_modules(package: Path = PACKAGE) -> list[str]:
+    return sorted(module_name(p, package) for p in (package / "training").rglob("*.py"))
+
+
+def training_imports(path: Path, package: Path = PACKAGE) -> set[str]:
+    """The obow.training modules ``path`` imports, anywhere in it; ``from obow.training.run import precision``
+    imports the module ``obow.training.run.precision`` (a package's ``__init__`` runs first, as for any dotted
+    import; it is not counted as imported)."""
+    known = set(training_modules(package))
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            submodules = {f"{node.module}.{a.name}" for a in node.names} & known
+            found.update(submodules or {node.module})
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m in known}
+
+
+def training_graph(package: Path = PACKAGE) -> dict[tuple[str, str], list[str]]:
+    """``(importer, imported)`` modules of obow.training (names without ``obow.training.``) -> the import."""
+    arrows = {}
+    for path in sorted((package / "training").rglob("*.py")):
+        importer = module_name(path, package).removeprefix("obow.training").removeprefix(".")
+        for module in training_imports(path, package):
+            imported = module.removeprefix("obow.training").removeprefix(".")
+            if imported and imported != importer:
+                arrows[importer, imported] = [f"{path.relative_to(package).as_posix()} imports {module}"]
+    return arrows
+
+
+def test_every_training_module_has_a_floor():
+    names = {m.removeprefix("obow.training").removeprefix(".") for m in training_modules()} - {""}
+    assert names == set(TRAINING_FLOOR)
+
+
+def test_training_has_no_import_circle():
+    arrows = training_graph()
+    circle = find_circle(arrows)
+    assert circle is None, (
+        " -> ".join(circle) + ": " + "; ".join(arrows[a, b][0] for a, b in zip(circle, circle[1:], strict=False))
+    )
+
+
+def test_training_imports_go_down():
+    """The shared module imports no mode, a mode no other mode nor the step's package, the step nothing of the
+    loop, the run nothing of the step."""
+    arrows = training_graph()
+    run = TRAINING_FLOOR["run"]
+    climbs = [
+        why
+        for (a, b), [why] in arrows.items()
+        if TRAINING_FLOOR[a] <= TRAINING_FLOOR[b] and not TRAINING_FLOOR[a] == TRAINING_FLOOR[b] == run
+    ]
+    assert not climbs, climbs
+
+
+def test_the_training_checks_see_a_mode_imported_by_the_shared_module(tmp_path):
+    """The static check is not blind: the layout before the split (a shared function in a mode's module, a mode
+    imported inside a function) is a circle and a climb."""
+    step = tmp_path / "training" / "step"
+    step.mkdir(parents=True)
+    (tmp_path / "training" / "__init__.py").write_text("")
+    (step / "__init__.py").write_text("")
+    (step / "shared.py").write_text("def build():\n    from obow.training.step import compiled\n")
+    (step / "compiled.py").write_text("from obow.training.step.shared import build\n")
+    arrows = training_graph(tmp_path)
+    assert set(arrows) == {("step.shared", "step.compiled"), ("step.compiled", "step.shared")}
+    assert find_circle(arrows) is not None
+    assert TRAINING_FLOOR["step.shared"] < TRAINING_FLOOR["step.compiled"]
+
+
+@pytest.mark.slow  # a fresh process imports torch and its libraries: about 10 s on 2 cores
+def test_every_training_module_imports_first_in_a_fresh_process():
+    """Each obow.training module imported first (nothing of obow loaded yet; it imports what it needs), then all
+    of them forwards and backwards: an import circle that only bites in some order fails here. One process: torch
+    stays loaded, obow's modules are forgotten before each."""
+    modules = training_modules()
+    code = (
+        "import importlib, sys, torch\n"
+        f"modules = {modules!r}\n"
+        "orders = [[first] for first in modules] + [modules, modules[::-1]]\n"
+        "for order in orders:\n"
+        "    for name in [n for n in sys.modules if n == 'obow' or n.startswith('obow.')]:\n"
+        "        del sys.modules[name]\n"
+        "    for name in order:\n"
+        "        importlib.import_module(name)\n"
+        "print(len(orders))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == str(len(modules) + 2)

@@ -236,7 +236,7 @@ def test_a_runs_files_share_one_mode_which_follows_the_umask(tiny_run, tmp_path)
 
 
 def test_an_omp_num_threads_that_is_not_a_number_is_said_in_one_line(tmp_path, monkeypatch, obow_cli):
-    from obow.training.threads import ignored_omp_threads
+    from obow.training.run.threads import ignored_omp_threads
 
     assert ignored_omp_threads({}) is None and ignored_omp_threads({"OMP_NUM_THREADS": ""}) is None
     assert ignored_omp_threads({"OMP_NUM_THREADS": "3"}) is None

@@ -24,7 +24,7 @@ import torch
 from obow.config import ModelConfig, load_config
 from obow.methods.obow import OBoW
 from obow.training import build
-from obow.training import precision as prec
+from obow.training.run import precision as prec
 
 
 def test_bf16_step_runs_and_targets_match_float32():

@@ -30,9 +30,9 @@ from PIL import Image
 from obow import cli
 from obow.config import load_config, to_dict
 from obow.files import WriteError, write_failure_cause
-from obow.training import lock as lock_module
-from obow.training.lock import LOCK_NAME, FolderInUse, RunLock
-from obow.training.state import (
+from obow.training.run import lock as lock_module
+from obow.training.run.lock import LOCK_NAME, FolderInUse, RunLock
+from obow.training.run.state import (
     RESUMABLE_CHANGES,
     SAME_REQUEST_SECONDS,
     check_same_run,

@@ -1,4 +1,4 @@
-"""settle -> build -> train: :func:`obow.training.settle.settle_run` resolves a run's ``auto`` settings and threads
+"""settle -> build -> train: :func:`obow.training.run.settle.settle_run` resolves a run's ``auto`` settings and threads
 once, a resumed run keeping what its ``config.yaml`` says it started with."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 import yaml
 
 from obow.config import load_config
-from obow.training import precision as prec
-from obow.training.settle import settle_run
+from obow.training.run import precision as prec
+from obow.training.run.settle import settle_run
 
 CPU = torch.device("cpu")
 

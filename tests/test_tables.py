@@ -28,7 +28,7 @@ from obow.experiments.tables import (
 )
 from obow.experiments.tables.plan import table_pipeline, table_precision
 from obow.experiments.tables.records import _shared_text, machine_description
-from obow.training import precision as prec
+from obow.training.run import precision as prec
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import TWO_LEVEL_RECIPE  # noqa: E402

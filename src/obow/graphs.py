@@ -4,7 +4,7 @@
 tests, a CPU dry run of a GPU pass): its capture runs the step while recording every operator it dispatches and
 refuses (after the step) what a CUDA capture would refuse, a host read or a tensor made from host values; its
 replay runs the recorded operators again on the recorded tensors, with every non-tensor argument frozen as
-captured: what a CUDA graph replays. Used by :mod:`obow.training.graphed` (the training step) and
+captured: what a CUDA graph replays. Used by :mod:`obow.training.step.graphed` (the training step) and
 :func:`obow.data.batched_views.graphed_render` (the device pipeline's views).
 """
 

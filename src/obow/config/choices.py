@@ -37,7 +37,7 @@ DEVICES = ("auto", "cpu", "cuda")
 #: bf16 where the device computes bfloat16 in hardware, else fp32 (chosen once per run, when it starts).
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 #: ``train.compile``: nothing, the networks (``torch.compile`` of the student and the teacher), or the whole step
-#: (forward and backward as one graph, the optimiser step as another: :mod:`obow.training.compiled`), or the eager
-#: step captured once as a CUDA graph and replayed (:mod:`obow.training.graphed`; no compiler). ``true`` and
+#: (forward and backward as one graph, the optimiser step as another: :mod:`obow.training.step.compiled`), or the eager
+#: step captured once as a CUDA graph and replayed (:mod:`obow.training.step.graphed`; no compiler). ``true`` and
 #: ``false``, the setting's values before ``step``, mean ``networks`` and ``off``.
 COMPILE_MODES = ("off", "networks", "step", "graph")

@@ -268,7 +268,7 @@ class DataConfig:
     and torchvision: :mod:`obow.data.transforms`), ``device`` (the images decoded once into a cache, then every
     view of a batch made at once on the training device: :mod:`obow.data.batched_views`), or ``auto``: ``device``
     when training on a GPU, ``workers`` on a CPU (why: docs/gpu.md), settled when a run starts and recorded in
-    its ``config.yaml`` (:func:`obow.training.settle.settle_pipeline`).
+    its ``config.yaml`` (:func:`obow.training.run.settle.settle_pipeline`).
     ``cache_dir`` (default ``~/.cache/obow``) and ``cache_size`` (the cached square's side; default: the images'
     own when all are squares of one size) configure the device pipeline's cache (:mod:`obow.data.cache`).
     """
@@ -355,7 +355,8 @@ class TrainConfig:
     knn_temperature: float = 0.1
     progress_bar: bool = True
     tensorboard: bool = True
-    #: Intra-op threads of each training process; 0: chosen from the cores (see obow.training.threads.choose_threads)
+    #: Intra-op threads of each training process; 0: chosen from the cores
+    #: (see obow.training.run.threads.choose_threads)
     threads: int = 0
 
     def __post_init__(self) -> None:

@@ -108,17 +108,17 @@ def seconds_per_step(configs: dict[str, Any], rounds: int = 3, block: int = 4) -
     """Median seconds of a training step of every config in ``configs`` (name -> :class:`obow.config.Config`).
 
     Each config is run as its training run would be: its loader and data-loading workers, the loop's thread
-    choice (:func:`obow.training.threads.choose_threads`), batch, views, precision and memory format. The configs
+    choice (:func:`obow.training.run.threads.choose_threads`), batch, views, precision and memory format. The configs
     take turns, ``block`` consecutive steps each, for ``rounds`` rounds; the first step of every block is not
     counted (its batch may have been loaded while another config ran), so a counted step costs what it costs
     in a run: the step, or the loading when that is slower. Turns spread the machine's noise over all configs."""
     import torch
 
     from obow.training.build import build_data, build_model, build_optimizer
-    from obow.training.precision import precision_context
-    from obow.training.settle import resolve_pipeline
-    from obow.training.steps import forward_backward, to_device
-    from obow.training.threads import choose_threads
+    from obow.training.run.precision import precision_context
+    from obow.training.run.settle import resolve_pipeline
+    from obow.training.run.threads import choose_threads
+    from obow.training.step.shared import forward_backward, to_device
 
     if rounds < 1 or block < 2:
         raise ValueError(f"need rounds >= 1 and block >= 2, got {rounds} and {block}")

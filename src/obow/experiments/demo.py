@@ -242,14 +242,14 @@ def training_device(cfg_device: str) -> torch.device:
 def choose_recipe(data: DemoData, overrides: list[str], recipe: str | None = None) -> tuple[str, str | None]:
     """The recipe the demo trains ``data`` with on this machine, and the line that says why when it is not the
     dataset's own: ``recipe`` when the user named one (``obow demo --recipe``); else, on a CPU without native
-    bfloat16 (:func:`obow.training.precision.native_bf16`: no AVX-512 BF16 or AMX, where ``train.precision:
+    bfloat16 (:func:`obow.training.run.precision.native_bf16`: no AVX-512 BF16 or AMX, where ``train.precision:
     auto`` runs fp32), ``data.no_bf16_recipe`` (``demo_fp32``: one crop a step, the kNN monitor every 4 epochs,
     0.6 of the CPU time; the ``demo`` recipe took 6.3 minutes on a 2-core AVX2-only CPU, docs/demo.md); else
     ``data.recipe``. The
     device is the one the run would train on with the user's ``overrides`` (``train.device``); their
     ``key=value`` changes apply to whichever recipe is chosen, and win over it."""
     from obow.config import load_config, parse_override
-    from obow.training.precision import native_bf16
+    from obow.training.run.precision import native_bf16
 
     if recipe is not None:
         load_config(recipe)  # an unknown recipe: an error before the data is written

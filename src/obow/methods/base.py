@@ -6,7 +6,7 @@ A method is an ``nn.Module`` (a subclass of :class:`Method`) with
   entries of the checkpoint);
 * ``teacher``: the network that makes the targets (OBoW's EMA teacher, MoCo v2's key encoder, BoWNet's static
   teacher), or ``None`` (RotNet); it never gets gradients. Every method sets it, ``None`` included;
-* :attr:`~Method.step_modes`: the ``train.compile`` modes its step supports (:mod:`obow.training.steps`): every
+* :attr:`~Method.step_modes`: the ``train.compile`` modes its step supports (:mod:`obow.training.step`): every
   method runs ``off`` and ``networks``; a method whose step is made of tensors only (no host value reaches an
   operator, no host read, no tensor replaced by another from step to step) adds ``step`` and ``graph``, and
   offers :meth:`~Method.current_momentum` (its teacher's momentum as a host float, which those steps write into
@@ -62,8 +62,8 @@ class GroupedStep:
 
 #: How :func:`ema_update_` interpolates with a 0-d tensor momentum (a compiled step's): ``torch._foreach_lerp_``,
 #: or ``Tensor.lerp_`` pair by pair where Dynamo computes the former otherwise than eager (torch 2.11: a multiply,
-#: then an add; set by :class:`obow.training.compiled.CompiledStep` after
-#: :func:`~obow.training.compiled.lerps_as_eager`). Both compute what the float momentum's update does, eagerly.
+#: then an add; set by :class:`obow.training.step.compiled.CompiledStep` after
+#: :func:`~obow.training.step.compiled.lerps_as_eager`). Both compute what the float momentum's update does, eagerly.
 FOREACH_TENSOR_LERP = True
 
 
@@ -73,7 +73,7 @@ def ema_update_(averages: Iterable[Tensor], sources: Iterable[Tensor], momentum:
 
     The teacher update of paper eq. 2 and MoCo's key-encoder update; the callers pass parameters only, so that
     the average's batch-norm statistics stay its own (official notes 2.10). ``momentum >= 1`` changes nothing.
-    A 0-d tensor ``momentum`` (a compiled or graphed step's, :mod:`obow.training.steps`; float64 so that
+    A 0-d tensor ``momentum`` (a compiled or graphed step's, :mod:`obow.training.step`; float64 so that
     ``1 - momentum`` is the host's double) is not read by the host: its ``1 - momentum`` is the interpolation
     weight, rounded to the averages' dtype as the host's float is (a weight of 0 leaves finite averages unchanged).
     """
@@ -142,7 +142,7 @@ class Method(nn.Module):
         #: (a synchronisation on a GPU); ``None``: read the buffer.
         self.host_iteration: int | None = None
         #: The momentum of the step about to run as a 0-d float64 tensor, written in place by a compiled step
-        #: (:mod:`obow.training.compiled`) so that a changing value is neither a host value nor a recompilation;
+        #: (:mod:`obow.training.step.compiled`) so that a changing value is neither a host value nor a recompilation;
         #: ``None``: the method computes it on the host.
         self.momentum_input: Tensor | None = None
         #: The random numbers of the step about to run that the method draws on the host

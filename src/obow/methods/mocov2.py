@@ -234,7 +234,7 @@ class MoCoV2(Method):
 
     def current_momentum(self) -> float:
         """The key encoder's momentum for the step about to run: ``key_momentum``, constant (MoCo v2). A compiled
-        step (:mod:`obow.training.compiled`) writes it into :attr:`~obow.methods.base.Method.momentum_input`."""
+        step (:mod:`obow.training.step.compiled`) writes it into :attr:`~obow.methods.base.Method.momentum_input`."""
         return self.key_momentum
 
     @torch.no_grad()

@@ -1,7 +1,7 @@
 """Curves of pretraining runs (``obow show run``): one PNG, a grid of panels, the runs overlaid.
 
-The input is each run's ``log.jsonl`` as :class:`obow.training.logger.RunLogger` writes it: one JSON object per logged
-step (``iteration``, ``lr``, ``loss``, ``loss/group<g>/<level>``, ``<level>/...`` diagnostics, ``images_per_s``,
+The input is each run's ``log.jsonl`` as :class:`obow.training.run.logger.RunLogger` writes it: one JSON object per
+logged step (``iteration``, ``lr``, ``loss``, ``loss/group<g>/<level>``, ``<level>/...`` diagnostics, ``images_per_s``,
 ...) and one ``{"type": "epoch", ...}`` object per epoch (``knn_top1`` when the monitor ran). A panel is drawn
 when some run logged its keys and left out otherwise, so older or newer logs with other keys still plot.
 """

@@ -1,8 +1,17 @@
-"""``obow pretrain``: the training loop (:mod:`~obow.training.loop`), the parts it is built from
-(:mod:`~obow.training.build`: process, device, data, method, optimiser), its arithmetic
-(:mod:`~obow.training.precision`) and threads (:mod:`~obow.training.threads`), what a run saves and how it
-resumes (:mod:`~obow.training.state`), one writer per run folder (:mod:`~obow.training.lock`), and its logs
-(:mod:`~obow.training.logger`).
+"""``obow pretrain``, in three parts read top to bottom:
+
+* the loop (:mod:`~obow.training.loop`) and the parts it is built from (:mod:`~obow.training.build`: process,
+  device, data, method, optimiser);
+* the step (:mod:`obow.training.step`): its call and :func:`~obow.training.step.build_step`; the eager, compiled
+  and graphed modes, a module each; what they share (:mod:`~obow.training.step.shared`), beneath them; the watch
+  over a step that compiles (:mod:`~obow.training.step.watch`);
+* the run (:mod:`obow.training.run`): its folder (:mod:`~obow.training.run.state`, what a run saves and how it
+  resumes; :mod:`~obow.training.run.lock`, one writer per run folder; :mod:`~obow.training.run.logger`, its logs)
+  and its settled settings (:mod:`~obow.training.run.settle`, :mod:`~obow.training.run.threads`,
+  :mod:`~obow.training.run.precision`).
+
+Imports go down: the loop imports the step and the run, the step imports the run, the run neither
+(tests/test_layers.py).
 
 The allowed values of the training settings are declared in :mod:`obow.config.choices`.
 """

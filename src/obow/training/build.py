@@ -1,4 +1,4 @@
-"""The parts of a run, built from its settled recipe (:mod:`obow.training.settle`): the process and its device
+"""The parts of a run, built from its settled recipe (:mod:`obow.training.run.settle`): the process and its device
 (:func:`setup_process`), the data (:func:`build_data`: images, sampler and loader, with views made in loader
 workers or on the training device, ``data.pipeline``), the method (:func:`build_model`), the optimiser
 (:func:`build_optimizer`) and what each step calls (:func:`prepare_step_model`). :mod:`obow.training.loop` and
@@ -22,11 +22,11 @@ from obow.data.device_loader import DeviceLoader
 from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loader, scan_images, tiny_below
 from obow.methods import build_batched_views, build_method, build_views, used_side, views_side
 from obow.methods.base import Method
-from obow.training import compiled as compiled_module
-from obow.training import graphed
-from obow.training.logger import log_main
-from obow.training.precision import check_precision
-from obow.training.state import RunError
+from obow.training.run.logger import log_main
+from obow.training.run.precision import check_precision
+from obow.training.run.state import RunError
+from obow.training.step import compiled as compiled_module
+from obow.training.step import graphed
 
 __all__ = [
     "build_data",
@@ -72,7 +72,7 @@ def build_data(
     cfg: Config, device: torch.device, images: ImageList | None = None, *, pipeline: str
 ) -> tuple[ImageList, EpochSampler, Iterable[dict[str, Any]]]:
     """The training images (``images``, else those of ``data.path``) and their loader, the views made by
-    ``pipeline`` (``workers`` or ``device``, as :func:`obow.training.settle.settle_run` settled it): every process
+    ``pipeline`` (``workers`` or ``device``, as :func:`obow.training.run.settle.settle_run` settled it): every process
     sees its share of each global batch, augmentations seeded per image (workers) or per global batch (device
     pipeline), so a resumed epoch sees the same views."""
     world = D.world_size()

@@ -47,11 +47,10 @@ from obow.training.build import (
     prepare_step_model,
     setup_process,
 )
-from obow.training.compiling import CompileWatch
-from obow.training.lock import RunLock
-from obow.training.logger import RunLogger, log_interval, log_main, logged_step, logged_steps
-from obow.training.settle import SettledRun, settle_run
-from obow.training.state import (
+from obow.training.run.lock import RunLock
+from obow.training.run.logger import RunLogger, log_interval, log_main, logged_step, logged_steps
+from obow.training.run.settle import SettledRun, settle_run
+from obow.training.run.state import (
     Interrupted,
     RunError,
     RunState,
@@ -63,8 +62,10 @@ from obow.training.state import (
     start_or_resume,
     summary,
 )
-from obow.training.steps import TrainingStep, build_step, check_step_mode, to_device
-from obow.training.threads import chosen_threads
+from obow.training.run.threads import chosen_threads
+from obow.training.step import TrainingStep, build_step, check_step_mode
+from obow.training.step.shared import to_device
+from obow.training.step.watch import CompileWatch
 
 __all__ = ["EPOCH_MEANS", "Interrupted", "RunError", "pretrain", "train_one_epoch", "train_step"]
 

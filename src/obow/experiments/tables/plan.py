@@ -107,12 +107,12 @@ def table_precision(folder: Path, asked: str, device: str, sources: list[str | P
     comparable whatever machine continues it: the precision in its ``plan.json``, or in the plans of the folders
     it takes plan, results or timed steps from (``sources``: ``--results-from``, ``--shared-from``,
     ``--timing-from``, ``--time-against``; they must agree); for a new table, ``asked`` (the recipe's
-    ``train.precision`` with this call's changes) as :func:`obow.training.precision.resolve_precision` makes it on
+    ``train.precision`` with this call's changes) as :func:`obow.training.run.precision.resolve_precision` makes it on
     ``device`` (``auto``: bf16 where it is native). A ``ValueError`` when the plans disagree, or when ``asked``
     is neither ``auto`` nor theirs."""
     import torch
 
-    from obow.training.precision import resolve_precision
+    from obow.training.run.precision import resolve_precision
 
     new = resolve_precision(asked, torch.device(device))
     return _table_setting(folder, "precision", "train.precision", asked, new, UNRECORDED_PRECISION, sources)
@@ -122,10 +122,10 @@ def table_pipeline(folder: Path, asked: str, device: str, sources: list[str | Pa
     """The ``data.pipeline`` that makes every run's views in the table in ``folder``, kept in its ``plan.json`` as
     :func:`table_precision` keeps the precision (a table begun on a CPU, in loader workers, and continued on a
     GPU, where ``auto`` means the device pipeline, goes on in loader workers); for a new table, ``asked`` as
-    :func:`obow.training.settle.resolve_pipeline` makes it on ``device``."""
+    :func:`obow.training.run.settle.resolve_pipeline` makes it on ``device``."""
     import torch
 
-    from obow.training.settle import resolve_pipeline
+    from obow.training.run.settle import resolve_pipeline
 
     new = resolve_pipeline(asked, torch.device(device))
     return _table_setting(folder, "pipeline", "data.pipeline", asked, new, UNRECORDED_PIPELINE, sources)

@@ -91,8 +91,8 @@ def run_table(
     from obow.config import load_config
     from obow.data.eval_sets import align_classes, eval_dataset
     from obow.data.folders import scan_images
-    from obow.training.lock import RunLock
-    from obow.training.threads import available_cores
+    from obow.training.run.lock import RunLock
+    from obow.training.run.threads import available_cores
 
     if name not in TABLES:
         raise ValueError(f"unknown table {name!r}; choose one of: {', '.join(TABLES)}")

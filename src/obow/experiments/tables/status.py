@@ -25,7 +25,7 @@ def table_status(folder: str | Path, seeds: list[int] | None = None) -> str:
     every planned row and seed (``seeds``, or every seed with a folder there) as done, trained but not yet
     evaluated, stopped at iteration *i* of *n*, running now, or not started, with the minutes of training left
     at the plan's timed steps (evaluation and the kNN monitor not counted)."""
-    from obow.training.lock import describe_holder, live_holder
+    from obow.training.run.lock import describe_holder, live_holder
     from obow.weights.checkpoint import load_checkpoint
 
     folder = Path(folder)

@@ -6,7 +6,7 @@ capture) records the kernels of one step once, with their arguments and memory a
 one call: the host's cost no longer grows with the operators. Unlike ``train.compile: step`` nothing is compiled
 (that took longer than 140 s on an H200, docs/performance.md): the first replay follows the warm-up steps.
 
-:class:`GraphedStep` is that step, :class:`~obow.training.steps.TrainingStep`'s call:
+:class:`GraphedStep` is that step, :class:`~obow.training.step.TrainingStep`'s call:
 
 * the first :data:`WARMUP_STEPS` unlogged steps run eagerly (on a side stream on a GPU, as PyTorch's capture
   asks: cuDNN's choice of algorithms, the gradients' and the optimiser's first allocations);
@@ -26,7 +26,7 @@ one call: the host's cost no longer grows with the operators. Unlike ``train.com
 A capture that fails falls back to the eager step for the rest of the run, with one log line naming the cause.
 The modes a method supports are part of its contract (:attr:`~obow.methods.base.Method.step_modes`); fp16 (the
 gradient scaler's skip reads the device) and several processes are refused in one line before the run starts
-(:func:`obow.training.steps.check_step_mode`). On a CPU ``graph`` says in one line that CUDA graphs need a GPU and
+(:func:`obow.training.step.check_step_mode`). On a CPU ``graph`` says in one line that CUDA graphs need a GPU and
 runs the eager step.
 
 :class:`TapeGraph` stands in for a CUDA graph where there is none (the tests, a CPU dry run of a GPU pass): its
@@ -47,8 +47,7 @@ from torch import Tensor
 
 from obow.graphs import CaptureError, CudaStepGraph, StepGraph, TapeGraph
 from obow.methods.base import Method
-from obow.training.compiled import configure_optimizer, start_momentum_buffers
-from obow.training.steps import write_host_inputs
+from obow.training.step.shared import configure_optimizer, start_momentum_buffers, write_host_inputs
 
 __all__ = [
     "WARMUP_STEPS",

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from obow.config import Config
-from obow.training.logger import RunLogger, log_main
-from obow.training.state import Interrupted, SignalFlag
+from obow.training.run.logger import RunLogger, log_main
+from obow.training.run.state import Interrupted, SignalFlag
 
 __all__ = ["ON_A_CPU", "TAKES", "CompileInterrupted", "CompileWatch", "stop_compilers"]
 

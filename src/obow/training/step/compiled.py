@@ -41,11 +41,11 @@ graphs run and returns copies of its metrics (a replay overwrites its outputs). 
 (``benchmarks/gpu_compile.sh``).
 
 Not yet: BoWNet and RotNet, several processes (DistributedDataParallel) and fp16 (the gradient scaler's skip
-reads the device); each is refused with one line (:func:`obow.training.steps.check_step_mode`).
+reads the device); each is refused with one line (:func:`obow.training.step.check_step_mode`).
 
 What it costs: Inductor compiled the whole step of the tests' tiny network in minutes on 2 CPU cores (234 s,
 docs/results/compile_cpu.md), and on an H200 with 16 cores the step of ``cifar10_resnet18`` had not finished
-compiling after 140 s; a run pays that at every start. ``train.compile: graph`` (:mod:`obow.training.graphed`)
+compiling after 140 s; a run pays that at every start. ``train.compile: graph`` (:mod:`obow.training.step.graphed`)
 replays the eager step as a CUDA graph without compiling it.
 
 Older torches (the GPU machines' 2.11) lack two things the step uses; each is detected by trying it on a toy
@@ -69,11 +69,10 @@ from torch import Tensor
 
 from obow.methods import base
 from obow.methods.base import Method
-from obow.training.steps import write_host_inputs
+from obow.training.step.shared import configure_optimizer, start_momentum_buffers, write_host_inputs
 
 __all__ = [
     "CompiledStep",
-    "configure_optimizer",
     "lerps_as_eager",
     "step_per_group",
     "traces_leaf_tensors",
@@ -141,22 +140,6 @@ def step_per_group(requested: bool) -> bool:
         )
         return False
     return requested
-
-
-def configure_optimizer(optimizer: torch.optim.Optimizer, step: bool, graph: bool = False) -> Tensor | None:
-    """The optimiser as a compiled step (``step``), a graphed one (``step`` and ``graph``) or the eager one needs
-    it, whatever run wrote its state: ``foreach`` with a 0-d tensor learning rate (compiled: Dynamo does not trace
-    the fused kernel), ``fused`` with a 0-d tensor one (graphed: the fused kernel reads it on the device, the same
-    numbers as a float), the tensor returned and written in place by the step; or ``fused`` with a float one (the
-    loop sets it each step)."""
-    lr = None
-    if step:
-        device = optimizer.param_groups[0]["params"][0].device
-        lr = torch.zeros((), device=device)
-    fused = not step or graph
-    for group in optimizer.param_groups:
-        group.update(fused=fused, foreach=None if fused else True, lr=lr if step else float(group["lr"]))
-    return lr
 
 
 class CompiledStep:
@@ -231,16 +214,3 @@ class CompiledStep:
 
     def _optimizer_step(self) -> None:
         self.optimizer.step()
-
-
-def start_momentum_buffers(optimizer: torch.optim.Optimizer) -> None:
-    """SGD's momentum buffers as zeros where the optimiser has none yet (a new run), so that the first step is the
-    graph of every later one. The same values: SGD's first step sets a buffer to the gradient, which
-    ``momentum * 0 + gradient`` is."""
-    for group in optimizer.param_groups:
-        if group.get("momentum", 0.0) == 0.0:
-            continue
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if state.get("momentum_buffer") is None:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)

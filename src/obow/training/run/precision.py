@@ -2,7 +2,7 @@
 
 ``auto`` is bf16 where the device computes bfloat16 in hardware (:func:`native_bf16`), else fp32
 (:func:`resolve_precision`); a run makes it concrete once, when it starts, and keeps it when resumed
-(:func:`obow.training.settle.settle_precision`).
+(:func:`obow.training.run.settle.settle_precision`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import logging
 import torch
 
 from obow.config import Config
-from obow.training.logger import log_main
-from obow.training.state import RunError
+from obow.training.run.logger import log_main
+from obow.training.run.state import RunError
 
 __all__ = [
     "check_precision",

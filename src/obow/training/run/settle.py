@@ -21,10 +21,10 @@ import torch
 from obow import distributed as D
 from obow.config import Config
 from obow.config.choices import PIPELINES, PRECISIONS
-from obow.training import precision as prec
-from obow.training.logger import log_main
-from obow.training.state import as_it_ran, started_config
-from obow.training.threads import choose_threads
+from obow.training.run import precision as prec
+from obow.training.run.logger import log_main
+from obow.training.run.state import as_it_ran, started_config
+from obow.training.run.threads import choose_threads
 
 __all__ = ["SettledRun", "resolve_pipeline", "settle_pipeline", "settle_precision", "settle_run", "started_precision"]
 

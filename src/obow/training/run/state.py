@@ -36,7 +36,7 @@ from torch import nn
 from obow import distributed as D
 from obow.config import Config, from_dict, save_config, to_dict
 from obow.files import make_folder, writing
-from obow.training.logger import log_main
+from obow.training.run.logger import log_main
 from obow.weights.checkpoint import build_checkpoint, load_checkpoint, load_resumable, place_copy, save_atomic
 
 if TYPE_CHECKING:

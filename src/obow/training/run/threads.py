@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from obow.config import Config
-from obow.training.logger import log_main
+from obow.training.run.logger import log_main
 
 __all__ = ["available_cores", "busy_machine_hint", "choose_threads", "chosen_threads", "ignored_omp_threads"]
 

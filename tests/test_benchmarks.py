@@ -472,3 +472,15 @@ def test_demo_time_times_a_tiny_demo_and_writes_its_gain(tmp_path, capsys):
     assert row["gain"] == round(row["knn_pretrained"] - row["knn_random_init"], 2)
     assert row["wall_s"] > 0 and row["cpu_s"] > 0 and row["steps"] > 0 and row["epochs"] == 2
     assert "seed 0: recipe" in capsys.readouterr().out
+
+
+def test_the_readme_lists_every_script_and_only_those_there():
+    """benchmarks/README.md: one row per script in the folder, and its section of scripts that left names none
+    still there."""
+    text = (BENCHMARKS / "README.md").read_text()
+    listed, left = text.split("## Left")
+    scripts = {p.name for p in BENCHMARKS.iterdir() if p.suffix in (".py", ".sh")}
+    rows = set(re.findall(r"^\| `([\w.]+\.(?:py|sh))` \|", listed, flags=re.M))
+    assert rows == scripts
+    gone = set(re.findall(r"^\| `([\w.]+\.py)` \|", left, flags=re.M))
+    assert gone and not gone & scripts

@@ -1,6 +1,6 @@
 """``benchmarks/gpu_claim.py``, the central claim's device call (issue 55): its arithmetic (the probe's rates, the
-epoch choice), its live copies, the merge of a returned call into a table folder, and (slow) a dry run of the
-whole command on the CPU, cut at its deadline."""
+epoch choice: :mod:`obow.experiments.budget`), its live copies, the merge of a returned call into a table folder,
+and (slow) a dry run of the whole command on the CPU, cut at its deadline."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from obow.experiments import budget
 from obow.experiments.tables import TABLES, aggregate, select_rows, table_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,26 +46,26 @@ def test_intervals_take_their_seconds_from_the_logged_rate_and_count_epoch_ends(
         step(60, 2, rate=40.0),  # 20 steps, an epoch's end among them: 4 s
         step(80, 2, rate=80.0),
     ]
-    found = claim.intervals(records, batch=8)
+    found = budget.intervals(records, batch=8)
     assert found == [
-        claim.Interval(20, 40, 2.0, 0),
-        claim.Interval(40, 60, 4.0, 1),
-        claim.Interval(60, 80, 2.0, 0),
+        budget.Interval(20, 40, 2.0, 0),
+        budget.Interval(40, 60, 4.0, 1),
+        budget.Interval(60, 80, 2.0, 0),
     ]
-    fit = claim.fit_intervals(found, warmup_steps=20)
+    fit = budget.fit_intervals(found, warmup_steps=20)
     # steps: 4 s over 40 plain steps; the epoch's end: 4 s less 20 steps x 0.1 s
-    assert fit == claim.Fit(seconds_per_step=0.1, epoch_end_s=pytest.approx(2.0), measured_s=8.0, steps=60)
-    later = claim.fit_intervals(found, warmup_steps=40)  # the first interval is warm-up
+    assert fit == budget.Fit(seconds_per_step=0.1, epoch_end_s=pytest.approx(2.0), measured_s=8.0, steps=60)
+    later = budget.fit_intervals(found, warmup_steps=40)  # the first interval is warm-up
     assert later.seconds_per_step == pytest.approx(0.1) and later.steps == 40 and later.measured_s == 6.0
-    assert claim.fit_intervals(found, warmup_steps=61) is None  # nothing timed after the warm-up
-    plain = claim.fit_intervals([claim.Interval(20, 40, 2.0, 0)], warmup_steps=0)
+    assert budget.fit_intervals(found, warmup_steps=61) is None  # nothing timed after the warm-up
+    plain = budget.fit_intervals([budget.Interval(20, 40, 2.0, 0)], warmup_steps=0)
     assert plain.epoch_end_s is None  # no epoch end seen: the estimate's stated value is used
 
 
 def test_epochs_shorter_than_the_logging_interval_keep_their_ends_in_the_rate(claim):
     # 5 steps an epoch, every step logged at its epoch's end: each interval holds one epoch end
-    found = [claim.Interval(5 * i, 5 * i + 5, 3.0, 1) for i in range(1, 4)]
-    fit = claim.fit_intervals(found, warmup_steps=5)
+    found = [budget.Interval(5 * i, 5 * i + 5, 3.0, 1) for i in range(1, 4)]
+    fit = budget.fit_intervals(found, warmup_steps=5)
     assert fit.seconds_per_step == pytest.approx(0.6) and fit.epoch_end_s == 0.0
 
 
@@ -74,25 +75,25 @@ ESTIMATE = dict(start_s=10, epoch_end_s=0.3, monitor_first_s=20, monitor_pass_s=
 
 
 def test_the_estimate_counts_steps_epoch_ends_monitor_passes_and_the_evaluation(claim):
-    estimate = claim.Estimate(**ESTIMATE)
-    assert claim.curve_every(40) == 4 and claim.curve_every(9) == 1 and claim.curve_every(60) == 6
+    estimate = budget.Estimate(**ESTIMATE)
+    assert budget.curve_every(40) == 4 and budget.curve_every(9) == 1 and budget.curve_every(60) == 6
     assert estimate.total(40, 97, 0.1) == pytest.approx(10 + 400 + 20 + 9 + 40 + 20)  # 10 passes
     assert estimate.total(50, 97, 0.1) == pytest.approx(599)
     assert estimate.total(1, 97, 0.1) == pytest.approx(100)  # one pass, the first
 
 
 def test_choose_epochs_takes_the_most_that_fit_and_says_when_the_minimum_does_not(claim):
-    estimate = claim.Estimate(**ESTIMATE)
-    fits = claim.choose_epochs(700, estimate, 97, 0.1, minimum=50)
+    estimate = budget.Estimate(**ESTIMATE)
+    fits = budget.choose_epochs(700, estimate, 97, 0.1, minimum=50)
     assert (fits.epochs, fits.fits) == (60, True)  # 60: 699 s; 61: 709 s
     assert fits.total_s == pytest.approx(699) and fits.text.startswith("60 epochs fit (at least 50 asked)")
-    short = claim.choose_epochs(500, estimate, 97, 0.1, minimum=50)
+    short = budget.choose_epochs(500, estimate, 97, 0.1, minimum=50)
     assert (short.epochs, short.fits) == (40, False)  # 40: 499 s; 41: 509 s
     assert "50 epochs do NOT fit: they would take about 599 s, 500 s are left" in short.text
     assert short.text.endswith("running the 40 that fit (about 499 s)")
-    exact = claim.choose_epochs(100, estimate, 97, 0.1, minimum=50)
+    exact = budget.choose_epochs(100, estimate, 97, 0.1, minimum=50)
     assert exact.epochs == 1
-    none = claim.choose_epochs(99, estimate, 97, 0.1, minimum=50)
+    none = budget.choose_epochs(99, estimate, 97, 0.1, minimum=50)
     assert none.epochs == 0 and not none.fits and "not one epoch fits: nothing is trained" in none.text
 
 
@@ -123,7 +124,7 @@ def fake_probes(claim, monkeypatch, paces: dict[tuple[str, str], float | None]) 
         return claim.Probe(recipe, step, {}, pace, None, 5.0, None if pace else "failed")
 
     monkeypatch.setattr(claim, "probe", probe)
-    monkeypatch.setattr(claim, "estimate_for", lambda call, data, recipe, found, decode: claim.Estimate(**ESTIMATE))
+    monkeypatch.setattr(claim, "estimate_for", lambda call, data, recipe, found, decode: budget.Estimate(**ESTIMATE))
     return asked
 
 
@@ -160,7 +161,7 @@ def test_auto_on_a_machine_without_cuda_probes_the_eager_step_only_and_says_why(
 
 
 def test_every_row_gets_the_batch_and_the_linearly_scaled_learning_rate(claim):
-    assert claim.scaled_lr(0.05, 128, 512) == pytest.approx(0.2)
+    assert budget.scaled_lr(0.05, 128, 512) == pytest.approx(0.2)
     items = claim.table_overrides("cifar10_fast", "off", 512, ["train.knn_k=100"])
     assert items[:2] == ["data.batch_size=512", "optim.lr=0.2"]
     assert "train.compile=off" in items and "data.pipeline=device" in items and items[-1] == "train.knn_k=100"

@@ -2,7 +2,7 @@
 (the ``obow`` flow on your own folder: recipes, pretrain, evaluate, export, the feature-extraction example) or
 checked without running (each ``obow`` subcommand and option exists, each ``key=value`` is a setting of the
 schema with a valid value, each recipe named exists, each file of the repository named exists; ``pip``,
-``pytest`` and ``ruff`` lines name what ``pyproject.toml`` and ``tests/conftest.py`` provide). A command of a
+``pytest``, ``ruff`` and ``mypy`` lines name what ``pyproject.toml`` and ``tests/conftest.py`` provide). A command of a
 kind this file does not know fails the suite, so a new README command gets a check when it is written."""
 
 import argparse
@@ -61,7 +61,7 @@ def kind(argv: list[str]) -> str:
         return "venv"
     if argv[0] == "python" and argv[1].endswith(".py"):
         return "script"
-    return {"pip": "pip", "source": "source", "ruff": "ruff"}.get(argv[0], "unknown")
+    return {"pip": "pip", "source": "source", "ruff": "ruff", "mypy": "mypy"}.get(argv[0], "unknown")
 
 
 def obow_args(argv: list[str]) -> list[str]:
@@ -152,6 +152,9 @@ def test_every_command_parses(argv):
         assert all(w in ("-q", "-x", "-v") or w.startswith("--") for w in argv[3:])
     elif what == "ruff":
         assert any(d.startswith("ruff") for d in PYPROJECT["project"]["optional-dependencies"]["dev"])
+    elif what == "mypy":  # installed by the dev extra, told by pyproject.toml what to check
+        assert any(d.startswith("mypy") for d in PYPROJECT["project"]["optional-dependencies"]["dev"])
+        assert argv == ["mypy"] and PYPROJECT["tool"]["mypy"]["files"] == ["src/obow"]
     elif what == "venv":
         folder = argv[3]
         sources = [c for c in COMMANDS if kind(c) == "source"]

@@ -68,7 +68,17 @@ class BackboneOutput:
     maps: dict[str, Tensor]
 
 
-class ResNetBackbone(nn.Module):
+class Backbone(nn.Module):
+    """What every backbone is (:func:`build_backbone`): ``forward(x, levels)`` returns a :class:`BackboneOutput`;
+    ``level_channels`` the channels of each level's map, ``num_features`` those of ``pool5``."""
+
+    arch: str
+    stem: str
+    level_channels: dict[str, int]
+    num_features: int
+
+
+class ResNetBackbone(Backbone):
     """A torchvision ResNet (random initialisation) that returns ``pool5`` and named feature maps.
 
     Args:
@@ -169,7 +179,7 @@ def _prefix_hint(arch: str, prefixed: str) -> str:
     return f"; did you mean {' or '.join(found)}?" if found else ""
 
 
-def build_backbone(arch: str, stem: str = "torchvision", options: Mapping[str, Any] | None = None) -> nn.Module:
+def build_backbone(arch: str, stem: str = "torchvision", options: Mapping[str, Any] | None = None) -> Backbone:
     """The backbone ``model.arch`` names (see the module docstring), randomly initialised.
 
     ``options`` are keyword arguments for the model's constructor (timm or torchvision), e.g.
@@ -221,14 +231,11 @@ def _plain_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in (options or {}).items()}
 
 
-class _StagedBackbone(nn.Module):
+class _StagedBackbone(Backbone):
     """Shared part of the timm and torchvision wrappers: ``self.body(x)`` returns the stage maps in order."""
 
-    arch: str
-    stem: str
     options: dict[str, Any]
-    level_channels: dict[str, int]
-    num_features: int
+    body: nn.Module
 
     def _stage_maps(self, x: Tensor) -> list[Tensor]:
         raise NotImplementedError
@@ -291,7 +298,7 @@ class TimmBackbone(_StagedBackbone):
         check_choice("stem", stem, STEMS)
         self.arch, self.stem, self.options = f"timm:{name}", stem, dict(options or {})
         try:
-            body = timm.create_model(name, pretrained=False, features_only=True, **_plain_options(options))
+            body: Any = timm.create_model(name, pretrained=False, features_only=True, **_plain_options(options))
         except (RuntimeError, TypeError, ValueError) as err:
             raise ValueError(f"model.arch timm:{name}: timm cannot build it with features_only ({err})") from None
         if stem != "torchvision":
@@ -311,7 +318,7 @@ class TimmBackbone(_StagedBackbone):
             return timm.create_model(self.arch.partition(":")[2], pretrained=False, **_plain_options(self.options))
 
 
-def _shrink_stem(body: nn.Module, stem: str, arch: str) -> None:
+def _shrink_stem(body: Any, stem: str, arch: str) -> None:  # timm's features_only model: its feature_info
     """Drop the stem's max-pool and, for ``"cifar"``, the stride of its first strided convolution."""
     stage_names = [info["module"] for info in body.feature_info.info]
     first_stage = stage_names[1] if len(stage_names) > 1 else stage_names[0]

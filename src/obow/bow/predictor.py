@@ -23,6 +23,7 @@ from obow import distributed as D
 from obow.checks import check_positive
 
 if TYPE_CHECKING:
+    from obow.backbones import Backbone
     from obow.config import ModelConfig
 
 
@@ -69,6 +70,7 @@ class WeightGenerator(nn.Module):
         mean = D.all_reduce_sum(x.sum(dim=0)) / total
         var = D.all_reduce_sum((x - mean).pow(2).sum(dim=0)) / total  # biased, as batch norm normalises
         with torch.no_grad():
+            assert bn.num_batches_tracked is not None and bn.running_mean is not None and bn.running_var is not None
             bn.num_batches_tracked.add_(1)
             m = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
             bn.running_mean.lerp_(mean.detach(), m)
@@ -78,6 +80,8 @@ class WeightGenerator(nn.Module):
 
 class BoWPredictor(nn.Module):
     """Common interface: :meth:`weights` once per step, then :meth:`forward` for every student view group."""
+
+    num_levels: int  # set by each predictor
 
     def __init__(
         self, kappa: float, normalize_features: bool = False, levels: int = 1, learn_kappa: bool = False
@@ -93,7 +97,7 @@ class BoWPredictor(nn.Module):
     def kappas(self) -> list[Tensor | float]:
         """Each level's scale: the learned one, or the constant ``kappa``."""
         if self.learned_kappa is None:
-            return [self.kappa] * self.num_levels
+            return [self.kappa for _ in range(self.num_levels)]
         return list(self.learned_kappa.unbind())
 
     def weights(self, vocabularies: Sequence[Tensor]) -> list[Tensor]:
@@ -150,7 +154,7 @@ class FixedBoWPredictor(BoWPredictor):
         return [F.normalize(w, dim=1) for w in self.slot_weights]
 
 
-def build_predictor(cfg: ModelConfig, student: nn.Module) -> BoWPredictor:
+def build_predictor(cfg: ModelConfig, student: Backbone) -> BoWPredictor:
     """The head ``cfg.head`` names: the dynamic weight generator or fixed per-word weights, for every level."""
     if cfg.head == "dynamic":
         word_dims = [student.level_channels[level] for level in cfg.levels]

@@ -32,6 +32,7 @@ from obow.checks import check_choice, check_positive, check_unit_interval
 from obow.config.choices import ASSIGNMENTS, POOLINGS
 
 if TYPE_CHECKING:
+    from obow.backbones import Backbone
     from obow.config import ModelConfig
 
 
@@ -190,6 +191,8 @@ class BoWExtractor(nn.Module):
         sinkhorn_iterations: Sinkhorn-Knopp rounds.
     """
 
+    min_distance_mean: Tensor
+
     def __init__(
         self,
         vocabulary: Vocabulary,
@@ -288,7 +291,7 @@ class BoWExtractor(nn.Module):
 
 
 def build_extractors(
-    cfg: ModelConfig, student: nn.Module, vocabulary: Callable[[int], Vocabulary]
+    cfg: ModelConfig, student: Backbone, vocabulary: Callable[[int], Vocabulary]
 ) -> dict[str, BoWExtractor]:
     """One extractor per level of ``cfg.levels``, with ``cfg``'s target settings; ``vocabulary(channels)`` makes
     each level's vocabulary for the width of the ``student``'s map there (OBoW: the online rule ``cfg``

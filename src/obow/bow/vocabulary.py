@@ -69,6 +69,8 @@ class Vocabulary(nn.Module):
     and reproduction; not saved in the ``state_dict``).
     """
 
+    words: Tensor
+
     record_intermediates: bool = False
     last_enqueued: Tensor | None = None
 
@@ -97,6 +99,8 @@ class QueueVocabulary(Vocabulary):
     attribute) draws the random locations instead of torch's global generator, to reproduce a run's queue
     exactly; each process draws for its own images, and the words are then gathered in rank order.
     """
+
+    ptr: Tensor
 
     def __init__(
         self,
@@ -142,6 +146,11 @@ class KMeansVocabulary(Vocabulary):
 
     Buffers: ``words``, ``counts`` (``N``), ``sums`` (``M``), ``last_assigned`` and ``step``.
     """
+
+    counts: Tensor
+    sums: Tensor
+    last_assigned: Tensor
+    step: Tensor
 
     def __init__(
         self, num_words: int, num_channels: int, momentum: float = 0.99, rare_word_steps: int | None = 1000
@@ -204,6 +213,7 @@ class KMeansVocabulary(Vocabulary):
         n = min(self.num_words, candidates.shape[0])
         choice = D.broadcast_(torch.randperm(candidates.shape[0], device=candidates.device)[:n])
         stalest = torch.argsort(stale, descending=True, stable=True)[:n]  # the rare ones first, stalest first
+        assert self.rare_word_steps is not None  # replacement is on
         rare = (stale[stalest] > self.rare_word_steps).unsqueeze(1)
         words = torch.where(rare, candidates[choice].to(self.words.dtype), self.words[stalest])
         self.words.index_copy_(0, stalest, words)

@@ -96,7 +96,8 @@ class Parser(argparse.ArgumentParser):
     sub-commands' parsers are of this class too (``add_subparsers`` makes them of the parser's class)."""
 
     def __init__(self, *args: Any, allow_abbrev: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+        kwargs["allow_abbrev"] = allow_abbrev
+        super().__init__(*args, **kwargs)
 
 
 def takes_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> bool:

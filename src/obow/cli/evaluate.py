@@ -224,6 +224,7 @@ def run_knn(args: argparse.Namespace) -> int:
 
     run = _Run(args, "knn")
     train_images, test_images = run.splits()
+    assert train_images.classes is not None and train_images.labels is not None  # labelled (scan_labelled)
     train_x, train_y = run.features(train_images)
     test_x, test_y = run.features(test_images)
     num_classes = len(train_images.classes)
@@ -254,6 +255,7 @@ def run_linear(args: argparse.Namespace) -> int:
     overrides = {"epochs": args.epochs, "lr": args.lr, "weight_decay": args.wd, "batch_size": args.batch}
     settings.update({k: v for k, v in overrides.items() if v is not None})
     train_images, test_images = run.splits()
+    assert train_images.classes is not None and train_images.labels is not None  # labelled (scan_labelled)
     train_x, train_y = run.features(train_images)
     train_flip, _ = run.features(train_images, flip=True)
     test_x, test_y = run.features(test_images)
@@ -284,6 +286,7 @@ def run_fewshot(args: argparse.Namespace) -> int:
     run = _Run(args, "fewshot")
     split = run.train_dir() if args.split == "train" else run.test_dir()
     images = scan_labelled(split)
+    assert images.classes is not None and images.labels is not None  # labelled (scan_labelled)
     ways = args.ways or default_ways(len(images.classes))
     for shots in args.shots:  # fail on impossible settings before the (slow) feature extraction
         sample_episodes(
@@ -321,7 +324,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     run = _Run(args, "finetune")
     preset_name = FRACTIONS[args.fraction]
     preset = FINETUNE_PRESETS[preset_name]
-    settings = {
+    settings: dict[str, Any] = {
         "epochs": args.epochs or preset.epochs,
         "head_lr": args.head_lr or preset.head_lr,
         "trunk_lr": preset.trunk_lr if args.trunk_lr is None else args.trunk_lr,
@@ -332,6 +335,7 @@ def run_finetune(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size or preset.batch_size,
     }
     train_images, test_images = run.splits()
+    assert train_images.classes is not None and train_images.labels is not None  # labelled (scan_labelled)
     run.choose_view(train_images)
     subset = balanced_subset(train_images.labels, args.fraction, seed=args.seed)
     subset_file = run.out.with_name(f"{run.out.stem}_subset.json")
@@ -351,7 +355,9 @@ def run_finetune(args: argparse.Namespace) -> int:
     run.print_table(
         ["labels", "epochs", "top-1", "top-5"], [[preset_name, settings["epochs"], result["top1"], result.get("top5")]]
     )
-    numbers = {key: result[key] for key in ("top1", "top5", "train_loss", "train_top1") if key in result}
+    numbers: dict[str, Any] = {
+        key: result[key] for key in ("top1", "top5", "train_loss", "train_top1") if key in result
+    }
     extra = {k: v for k, v in result.items() if k not in numbers and k not in settings}
     run.write(
         numbers,
@@ -391,6 +397,7 @@ def run_svm(args: argparse.Namespace) -> int:
 
 def subset_listing(images: ImageList, indices: Sequence[int]) -> list[dict[str, Any]]:
     """The images of a fine-tuning subset as ``{"path" (relative to the split), "label", "class"}``."""
+    assert images.classes is not None and images.labels is not None  # labelled (scan_labelled)
     return [
         {
             "path": os.path.relpath(images.paths[i], images.root),
@@ -506,12 +513,14 @@ class _Run:
 
         train = scan_labelled(self.train_dir())
         test = align_classes(train, scan_labelled(self.test_dir()))
+        assert train.classes is not None  # labelled (scan_labelled)
         self._data_info = {"train": train.root, "test": test.root, "num_train": len(train), "num_test": len(test)}
         self._data_info.update(num_classes=len(train.classes), classes=list(train.classes))
         return train, test
 
     @staticmethod
     def data_info(images: ImageList) -> dict[str, Any]:
+        assert images.classes is not None  # labelled (scan_labelled)
         return {"num_images": len(images), "num_classes": len(images.classes), "classes": list(images.classes)}
 
     def features(self, images: ImageList, flip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -475,7 +475,7 @@ def _expected(hint: Any) -> str:
 
 def _coerce(name: str, hint: Any, value: Any) -> Any:
     origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return from_dict(hint, value, prefix=f"{name}.")
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(hint)

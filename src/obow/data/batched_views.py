@@ -407,16 +407,19 @@ class BatchedViews:
         that draw them, picked on the host (less arithmetic in eager mode)."""
         cfg = self.cfg
         if self.mocov2:
+            assert params.crops is not None  # MoCo v2's two crops
             both = self._render_group(images, params.crops, cfg.teacher_size, dense)
             return {"teacher": both[:, 0], "crops": both[:, 1:]}
         box = self._teacher_box.expand(images.shape[0], 1, 4)
         teacher = resized_crops(images, box, cfg.teacher_size)[:, 0] / 255.0
+        assert params.teacher_flip is not None  # drawn for OBoW's teacher view
         flip = params.teacher_flip.to(images.device, non_blocking=True).view(-1, 1, 1, 1)
         views = {"teacher": self._normalize(torch.where(flip, teacher.flip(-1), teacher))}
         if params.crops is not None:
             views["crops"] = self._render_group(images, params.crops, cfg.crop_size, dense)
         if params.grid is not None:
             grid = self._render_group(images, params.grid, cfg.patch_grid_size, dense)[:, 0]
+            assert params.patch_keep is not None and params.patch_offsets is not None  # drawn with the grid
             patches = cut_patches(grid, params.patch_keep, params.patch_offsets, cfg.patch_size, cfg.patch_jitter)
             views["patches"] = patches.contiguous()
         return views
@@ -442,9 +445,10 @@ class BatchedViews:
     def _mean_std_on(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         where = (torch.device(device), dtype)
         if where not in self._mean_std:
-            self._mean_std[where] = tuple(
+            mean, std = (
                 torch.tensor(v, dtype=dtype).view(1, 3, 1, 1).to(device) for v in (self.cfg.mean, self.cfg.std)
             )
+            self._mean_std[where] = (mean, std)
         return self._mean_std[where]
 
 

@@ -150,7 +150,7 @@ def _decode(path: str, side: int) -> np.ndarray | None:
     left, top = (w - edge) // 2, (h - edge) // 2
     square = img.crop((left, top, left + edge, top + edge))
     if edge != side:
-        square = square.resize((side, side), Image.BILINEAR, reducing_gap=None)
+        square = square.resize((side, side), Image.Resampling.BILINEAR, reducing_gap=None)
     return np.asarray(square, dtype=np.uint8).transpose(2, 0, 1)
 
 

@@ -84,6 +84,7 @@ def align_classes(train: ImageList, test: ImageList) -> ImageList:
             f"{test.root} has classes that {train.root} lacks: {', '.join(unknown[:10])}"
             f"{' ...' if len(unknown) > 10 else ''}; every test class folder must also exist in the training split"
         )
+    assert train.classes is not None and test.classes is not None and test.labels is not None  # labelled splits
     index = {name: i for i, name in enumerate(train.classes or ())}
     labels = [index[test.classes[label]] for label in test.labels]
     return ImageList(root=test.root, paths=test.paths, labels=labels, classes=list(train.classes))

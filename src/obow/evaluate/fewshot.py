@@ -71,8 +71,8 @@ def sample_episodes(
             raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     if isinstance(n_episodes, bool) or not isinstance(n_episodes, int) or n_episodes < 1:
         raise ValueError(f"n_episodes must be a positive integer, got {n_episodes!r}")
-    labels = np.asarray(labels.tolist() if isinstance(labels, Tensor) else labels, dtype=np.int64)
-    classes, counts = np.unique(labels, return_counts=True)
+    array = np.asarray(labels.tolist() if isinstance(labels, Tensor) else labels, dtype=np.int64)
+    classes, counts = np.unique(array, return_counts=True)
     if n_way > len(classes):
         raise ValueError(f"{n_way}-way episodes need {n_way} classes, but the data hold only {len(classes)}")
     per_class = n_shot + n_query
@@ -84,7 +84,7 @@ def sample_episodes(
             f"{n_shot}-shot episodes with {n_query} quer{'y' if n_query == 1 else 'ies'} need {per_class} images per "
             f"class, but {len(too_small)} of {len(classes)} classes have fewer (images in brackets): {shown}{more}"
         )
-    members = {int(c): np.flatnonzero(labels == c) for c in classes}
+    members = {int(c): np.flatnonzero(array == c) for c in classes}
     rng = np.random.default_rng(seed)
     episodes = []
     for _ in range(n_episodes):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from obow.data.transforms import eval_transform
 from obow.evaluate.knn import top1_top5
 from obow.evaluate.linear import linear_head
 from obow.notices import ObowWarning
+
+if TYPE_CHECKING:
+    from obow.backbones import Backbone
 
 
 @dataclass(frozen=True)
@@ -65,13 +68,13 @@ def balanced_subset(labels: Tensor | Sequence[int], fraction: float, seed: int =
     (``n_c`` its size), drawn without replacement, reproducibly from ``seed``."""
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
-    labels = np.asarray(labels.tolist() if isinstance(labels, Tensor) else labels, dtype=np.int64)
-    if labels.size == 0:
+    array = np.asarray(labels.tolist() if isinstance(labels, Tensor) else labels, dtype=np.int64)
+    if array.size == 0:
         raise ValueError("no labels to draw a subset from")
     rng = np.random.default_rng(seed)
     chosen = []
-    for c in np.unique(labels):
-        members = np.flatnonzero(labels == c)
+    for c in np.unique(array):
+        members = np.flatnonzero(array == c)
         take = max(1, round(fraction * len(members)))
         chosen.extend(rng.choice(members, size=take, replace=False).tolist())
     return sorted(chosen)
@@ -107,7 +110,7 @@ def finetune_optimizer(
 
 
 def finetune(
-    backbone: torch.nn.Module,
+    backbone: Backbone,
     train_dataset: ImageDataset,
     test_dataset: ImageDataset,
     subset_indices: Sequence[int],
@@ -139,7 +142,7 @@ def finetune(
     device = torch.device(device)
     if num_classes is None:
         classes = train_dataset.images.classes
-        num_classes = len(classes) if classes else max(train_dataset.images.labels) + 1
+        num_classes = len(classes) if classes else max(cast(list[int], train_dataset.images.labels)) + 1
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -12,6 +12,7 @@ the tables pass it): the training package sits below evaluation and does not imp
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,6 +56,7 @@ class KNNMonitor:
         if self.reason:
             log.info("kNN monitor off: %s", self.reason)
             return
+        assert cfg.data.val_path is not None  # checked above
         val = align_classes(images, scan_labelled(cfg.data.val_path))
         size = cfg.views.teacher_size
         self.needed = needed = (len(images) + len(val)) * 3 * size * size  # bytes, decoded
@@ -100,7 +102,11 @@ class KNNMonitor:
             val_x = decoded_features(backbone, val, batch_size=BATCH_SIZE, device=self.device)
             train_y, val_y = train.labels.to(self.device), val.labels.to(self.device)
         else:
-            kwargs = {"batch_size": BATCH_SIZE, "device": self.device, "num_workers": self.cfg.data.num_workers}
+            kwargs: dict[str, Any] = {
+                "batch_size": BATCH_SIZE,
+                "device": self.device,
+                "num_workers": self.cfg.data.num_workers,
+            }
             train_x, train_y = extract_features(backbone, self.train_set, **kwargs)
             val_x, val_y = extract_features(backbone, self.val_set, **kwargs)
         k = min(self.cfg.train.knn_k, len(train_y))

@@ -92,7 +92,7 @@ def evaluate_backbone(
 ) -> dict[str, Any]:
     """Extract ``pool5`` features of ``train_set`` and ``test_set`` (labelled evaluation datasets, see
     :func:`~obow.data.eval_sets.eval_dataset`) and score them with :func:`evaluate_features`."""
-    kwargs = {"batch_size": 256, "device": torch.device(device), "num_workers": num_workers}
+    kwargs: dict[str, Any] = {"batch_size": 256, "device": torch.device(device), "num_workers": num_workers}
     train_x, train_y = extract_features(backbone, train_set, **kwargs)
     test_x, test_y = extract_features(backbone, test_set, **kwargs)
     return evaluate_features(train_x, train_y, test_x, test_y, **protocol)

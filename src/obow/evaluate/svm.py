@@ -97,7 +97,7 @@ def svm_classification(
     if not costs or any(c <= 0 for c in costs):
         raise ValueError(f"SVM costs must be positive numbers, got {list(costs)}")
     train_x, test_x = l2_normalize(train_features), l2_normalize(test_features)
-    per_class = {}
+    per_class: dict[str, dict[str, Any]] = {}
     for index, name in enumerate(classes):
         positive = train_targets[:, index] == PRESENT
         try:

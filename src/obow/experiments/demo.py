@@ -34,6 +34,7 @@ import logging
 import shutil
 import time
 import urllib.error
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -89,8 +90,9 @@ def render_digit(pixels: np.ndarray, side: int, angle: float, size: int = DEMO_I
     (PIL's antialiased bilinear). Turning at the larger size keeps the strokes smooth. Returns uint8
     ``[side, side]``; with ``side`` = ``size`` = 8 and ``angle`` 0 it is the scan in 8 bits."""
     scan = np.round(np.asarray(pixels, dtype=np.float64) * (255.0 / 16.0)).astype(np.uint8)
-    glyph = Image.fromarray(scan, mode="L").resize((size, size), Image.BICUBIC).rotate(angle, Image.BILINEAR)
-    return np.asarray(glyph.resize((side, side), Image.BILINEAR))
+    glyph = Image.fromarray(scan, mode="L").resize((size, size), Image.Resampling.BICUBIC)
+    glyph = glyph.rotate(angle, Image.Resampling.BILINEAR)
+    return np.asarray(glyph.resize((side, side), Image.Resampling.BILINEAR))
 
 
 def paint_glyphs(glyphs: list[np.ndarray], offsets: list[tuple[int, int]], size: int) -> np.ndarray:
@@ -112,7 +114,8 @@ def digit_mosaic(scans: list[np.ndarray], rng: np.random.Generator, size: int = 
     for pixels in scans:
         side = int(rng.integers(DIGIT_SIDE[0], DIGIT_SIDE[1] + 1))
         glyphs.append(render_digit(pixels, side, float(rng.uniform(-DIGIT_ROTATION, DIGIT_ROTATION)), size))
-        offsets.append(tuple(int(v) for v in rng.integers(0, size - side + 1, size=2)))
+        y, x = rng.integers(0, size - side + 1, size=2)
+        offsets.append((int(y), int(x)))
     return paint_glyphs(glyphs, offsets, size)
 
 
@@ -404,7 +407,7 @@ def print_table(
     pretext: dict[str, float],
     pretrain_time: float,
     total: float,
-    curve: list[tuple[int, float]] = (),
+    curve: Sequence[tuple[int, float]] = (),
     title: str = DATASETS["digits"].title,
 ) -> None:
     columns = (

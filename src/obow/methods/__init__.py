@@ -31,16 +31,22 @@ if TYPE_CHECKING:
 def method_class(name: str) -> type[Method]:
     """The class of ``model.method`` ``name`` (what it supports, without building it)."""
     if name == "obow":
-        from obow.methods.obow import OBoW as cls
-    elif name == "mocov2":
-        from obow.methods.mocov2 import MoCoV2 as cls
-    elif name == "bownet":
-        from obow.methods.bownet import BoWNet as cls
-    elif name == "rotnet":
-        from obow.methods.rotnet import RotNet as cls
-    else:
-        raise ValueError(f"model.method={name!r} is not one of obow, mocov2, bownet, rotnet")  # config checks it
-    return cls
+        from obow.methods.obow import OBoW
+
+        return OBoW
+    if name == "mocov2":
+        from obow.methods.mocov2 import MoCoV2
+
+        return MoCoV2
+    if name == "bownet":
+        from obow.methods.bownet import BoWNet
+
+        return BoWNet
+    if name == "rotnet":
+        from obow.methods.rotnet import RotNet
+
+        return RotNet
+    raise ValueError(f"model.method={name!r} is not one of obow, mocov2, bownet, rotnet")  # config checks it
 
 
 def build_method(cfg: Config, total_iterations: int, *, resuming: bool = False) -> Method:

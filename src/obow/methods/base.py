@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
+    from obow.backbones import Backbone
     from obow.config import Config
     from obow.data.folders import ImageList
 
@@ -87,7 +88,7 @@ def ema_update_(averages: Iterable[Tensor], sources: Iterable[Tensor], momentum:
         # Eagerly (a graphed step), ``torch._foreach_lerp_`` reads a tensor weight on the host (``.item()``), which
         # a CUDA graph's capture refuses; ``Tensor.lerp_`` does not, and in a graph its launches cost nothing.
         if FOREACH_TENSOR_LERP and torch.compiler.is_compiling():
-            torch._foreach_lerp_(averages, sources, weight)
+            torch._foreach_lerp_(averages, sources, weight)  # type: ignore[call-overload]  # a 0-d tensor weight: torch takes it, its stub lists scalars only
         else:
             for average, source in zip(averages, sources, strict=True):
                 average.lerp_(source, weight)
@@ -127,8 +128,8 @@ class Method(nn.Module):
     #: The ``train.compile`` modes this method's step supports (see the module docstring).
     step_modes: ClassVar[frozenset[str]] = frozenset({"off", "networks"})
 
-    student: nn.Module
-    teacher: nn.Module | None
+    student: Backbone
+    teacher: Backbone | None
 
     def __init__(self) -> None:
         super().__init__()

@@ -21,13 +21,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from obow import distributed as D
-from obow.backbones import build_backbone
+from obow.backbones import Backbone, build_backbone
 from obow.bow.kmeans import kmeans, nearest_centroids
 from obow.bow.predictor import BoWPredictor, build_predictor
 from obow.bow.targets import BoWExtractor, build_extractors, flatten_locations, remove_border
@@ -49,7 +49,7 @@ class StaticVocabulary(Vocabulary):
         return {}
 
 
-def load_teacher(path: str | Path, cfg: ModelConfig) -> nn.Module:
+def load_teacher(path: str | Path, cfg: ModelConfig) -> Backbone:
     """The backbone in ``path``: an ``obow pretrain`` checkpoint (its student: a RotNet run, or an earlier
     BoWNet round) or a file of ``obow export``; it must be ``cfg``'s architecture, stem and options."""
     from obow.weights.load import load_backbone
@@ -100,13 +100,15 @@ class BoWNet(OBoW):
         total_iterations, loss_weighting, cutmix: as :class:`~obow.methods.obow.OBoW`.
     """
 
+    vocabulary_ready: Tensor
+
     #: its step reads ``vocabulary_ready`` on the host (not yet a tensor the step can keep on the device)
     step_modes: ClassVar[frozenset[str]] = frozenset({"off", "networks"})
 
     def __init__(
         self,
-        student: nn.Module,
-        teacher: nn.Module,
+        student: Backbone,
+        teacher: Backbone,
         extractors: Mapping[str, BoWExtractor],
         predictor: BoWPredictor,
         *,
@@ -178,13 +180,13 @@ class BoWNet(OBoW):
         return self
 
     @torch.no_grad()
-    def update_teacher(self, momentum: float) -> None:
+    def update_teacher(self, momentum: float | Tensor) -> None:
         """The teacher is static: nothing to do."""
 
     def set_vocabularies(self, words: Mapping[str, Tensor]) -> None:
         """Write every level's words ``[K, C_l]`` and mark the vocabulary as built."""
         for level in self.levels:
-            target = self.extractors[level].vocabulary.words
+            target = cast(BoWExtractor, self.extractors[level]).vocabulary.words
             if level not in words or tuple(words[level].shape) != tuple(target.shape):
                 got = tuple(words[level].shape) if level in words else None
                 raise ValueError(f"level {level!r} needs words of shape {tuple(target.shape)}, got {got}")
@@ -232,7 +234,8 @@ class BoWNet(OBoW):
         for batch in loader:
             maps = self.teacher(batch["image"].to(device, non_blocking=True), levels=self.levels).maps
             for level in self.levels:
-                features = flatten_locations(remove_border(maps[level].float(), self.extractors[level].border))
+                border = cast(BoWExtractor, self.extractors[level]).border
+                features = flatten_locations(remove_border(maps[level].float(), border))
                 samples[level].append(sample_locations(features, b.kmeans_samples_per_image, generator))
         words, objective = {}, {}
         for level in self.levels:

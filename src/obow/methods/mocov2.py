@@ -66,14 +66,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from obow import distributed as D
-from obow.backbones import build_backbone
+from obow.backbones import Backbone, build_backbone
 from obow.bow.targets import at_least_float32
 from obow.checks import check_choice, check_positive, check_unit_interval
 from obow.config import Config
@@ -169,11 +169,16 @@ class MoCoV2(Method):
     ``queue_ptr`` (the row the next keys are written to) and ``iteration`` (training steps done).
     """
 
+    queue: Tensor
+    queue_ptr: Tensor
+    iteration: Tensor
+    teacher: Backbone  # always there (the key encoder)
+
     step_modes: ClassVar[frozenset[str]] = frozenset({"off", "networks", "step", "graph"})
 
     def __init__(
         self,
-        student: nn.Module,
+        student: Backbone,
         *,
         dim: int = 128,
         hidden_dim: int | None = None,
@@ -198,7 +203,7 @@ class MoCoV2(Method):
             raise ValueError(f"bn_splits must be a positive integer, got {bn_splits!r}")
         width = student.num_features
         self.bn_splits = bn_splits
-        self.student = convert_split_batchnorm(student, bn_splits)
+        self.student = cast(Backbone, convert_split_batchnorm(student, bn_splits))
         self.teacher = copy.deepcopy(student).requires_grad_(False)
         self.projector = projection_head(width, hidden_dim or width, dim)
         self.key_projector = copy.deepcopy(self.projector).requires_grad_(False)

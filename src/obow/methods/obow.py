@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from torch import Tensor, nn
 
-from obow.backbones import build_backbone
+from obow.backbones import Backbone, build_backbone
 from obow.bow.loss import bow_loss, prediction_diagnostics
 from obow.bow.predictor import BoWPredictor, build_predictor
 from obow.bow.targets import BoWExtractor, BoWTargets, build_extractors
@@ -58,11 +58,14 @@ class OBoW(Method):
             :attr:`~obow.methods.base.Method.host_inputs`).
     """
 
+    iteration: Tensor
+    teacher: Backbone  # always there (the EMA teacher)
+
     step_modes: ClassVar[frozenset[str]] = frozenset({"off", "networks", "step", "graph"})
 
     def __init__(
         self,
-        student: nn.Module,
+        student: Backbone,
         extractors: Mapping[str, BoWExtractor],
         predictor: BoWPredictor,
         *,
@@ -195,7 +198,7 @@ class OBoW(Method):
             self.update_teacher(momentum)
             self.iteration += 1
             metrics["teacher_momentum"] = torch.as_tensor(momentum, dtype=torch.float32)
-        vocabularies = [self.extractors[level].vocabulary.words.clone() for level in self.levels]
+        vocabularies = [cast(BoWExtractor, self.extractors[level]).vocabulary.words.clone() for level in self.levels]
         bows = self.teacher_targets(teacher_images)
         for level, bow in bows.items():
             metrics.update({f"{level}/{k}": v for k, v in bow.diagnostics.items()})

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from obow.backbones import build_backbone
+from obow.backbones import Backbone, build_backbone
 from obow.bow.targets import at_least_float32
 from obow.config import Config
 from obow.diagnostics import feature_diagnostics
@@ -44,9 +44,11 @@ class RotNet(Method):
     training loop calls it with ``group=None`` (:attr:`supports_groups` is false).
     """
 
+    iteration: Tensor
+
     supports_groups = False
 
-    def __init__(self, student: nn.Module, *, total_iterations: int) -> None:
+    def __init__(self, student: Backbone, *, total_iterations: int) -> None:
         super().__init__()
         self.student = student
         self.teacher = None  # RotNet learns from the rotation labels alone

@@ -51,18 +51,19 @@ def split_batch_norm(
         raise ValueError(f"split batch norm: a batch of {n} does not divide into {splits} equal sub-batches")
     if splits == 1:
         return F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
-    tracked = running_mean is not None and running_var is not None
+    if running_mean is None or running_var is None:
+        parts = [F.batch_norm(part, None, None, weight, bias, True, momentum, eps) for part in x.chunk(splits)]
+        return torch.cat(parts)
     # one row of running statistics per sub-batch, each updated by its own batch norm call
-    means = running_mean.expand(splits, -1).clone() if tracked else [None] * splits
-    variances = running_var.expand(splits, -1).clone() if tracked else [None] * splits
+    means = running_mean.expand(splits, -1).clone()
+    variances = running_var.expand(splits, -1).clone()
     parts = [
         F.batch_norm(part, mean, var, weight, bias, True, momentum, eps)
         for part, mean, var in zip(x.chunk(splits), means, variances, strict=True)
     ]
-    if tracked:
-        with torch.no_grad():
-            running_mean.copy_(means.mean(dim=0))
-            running_var.copy_(variances.mean(dim=0))
+    with torch.no_grad():
+        running_mean.copy_(means.mean(dim=0))
+        running_var.copy_(variances.mean(dim=0))
     return torch.cat(parts)
 
 
@@ -86,6 +87,7 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
         momentum = 0.0 if self.momentum is None else self.momentum
         update = self.training and self.track_running_stats
         if update:
+            assert self.num_batches_tracked is not None  # kept with the running statistics (track_running_stats)
             self.num_batches_tracked.add_(1)
             if self.momentum is None:  # a cumulative average, as nn.BatchNorm2d's
                 momentum = 1.0 / float(self.num_batches_tracked)

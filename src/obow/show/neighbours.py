@@ -99,10 +99,11 @@ def show_neighbours(
     views = views_from_dict(info["views"])
     train = scan_labelled(data / "train")
     test = align_classes(train, scan_labelled(test_dir))
+    assert test.labels is not None  # scan_labelled: a labelled split
     chosen = pick_queries(torch.tensor(test.labels), queries, seed)
     query_list = ImageList(test.root, [test.paths[i] for i in chosen], [test.labels[i] for i in chosen], test.classes)
     train_set, query_set = eval_dataset(train, views), eval_dataset(query_list, views)
-    kwargs = {"batch_size": batch_size, "device": device, "num_workers": num_workers}
+    kwargs: dict[str, Any] = {"batch_size": batch_size, "device": device, "num_workers": num_workers}
     found = {}
     for name, backbone in (("learned", learned), ("random", random_net)):
         train_x, train_y = extract_features(backbone, train_set, **kwargs)

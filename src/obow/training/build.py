@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,7 @@ def build_data(
     if cfg.data.batch_size % world != 0:
         raise RunError(f"data.batch_size ({cfg.data.batch_size}) must be divisible by the {world} processes")
     if images is None:
+        assert cfg.data.path is not None  # pretrain refuses a run without one
         images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
     local_batch = cfg.data.batch_size // world
     if pipeline == "device":
@@ -94,13 +95,13 @@ def build_data(
             render = graphed_render(views, device, factory)
         loader = DeviceLoader(cache, sampler, views, device, cfg.train.seed, render)
         held = "; held on the GPU" if loader.where == "on the GPU" else ""
-        notes = ([render.kind] if render is not None else []) + ["one batch ahead on a side stream"] * (
+        notes = ([cast(Any, render).kind] if render is not None else []) + ["one batch ahead on a side stream"] * (
             device.type == "cuda"
         )
         how = f" ({'; '.join(notes)})" if notes else ""
         log_main("Data: views made on the %s%s from %s%s", device.type, how, cache.describe(), held)
         return images, sampler, loader
-    loader = build_loader(
+    workers = build_loader(
         ImageDataset(images, build_views(cfg), tiny_below=tiny_below(used_side(cfg.views))),
         sampler,
         local_batch,
@@ -108,7 +109,7 @@ def build_data(
         pin_memory=cfg.data.pin_memory and device.type == "cuda",
     )
     log_main("Data: views made by %d loader worker(s)", cfg.data.num_workers)
-    return images, sampler, loader
+    return images, sampler, workers
 
 
 def shared_cache(images: ImageList, cfg: Config, device: torch.device) -> ImageCache:

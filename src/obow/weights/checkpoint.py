@@ -54,7 +54,7 @@ VERSION = 2  # 2: random states as tensors and plain values (weights_only loads)
 #: What a weights-only load must also accept to read the NumPy arrays in version-1 checkpoints' random states:
 #: the array constructor under the names NumPy 1 and NumPy 2 pickle it with, the array and dtype classes.
 _RECONSTRUCT = np.empty(0).__reduce__()[0]
-NUMPY_GLOBALS = [
+NUMPY_GLOBALS: list[Any] = [
     (_RECONSTRUCT, "numpy.core.multiarray._reconstruct"),
     (_RECONSTRUCT, "numpy._core.multiarray._reconstruct"),
     np.ndarray,
@@ -251,7 +251,7 @@ def build_checkpoint(
     config: dict[str, Any],
     model: dict[str, Any],
     *,
-    epoch: int,
+    epoch: int | None,
     iteration: int,
     batch_in_epoch: int = 0,
     optimizer: dict[str, Any] | None = None,

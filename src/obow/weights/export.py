@@ -42,7 +42,7 @@ import torchvision
 from torch import Tensor
 
 from obow import __version__
-from obow.backbones import ResNetBackbone, parse_arch
+from obow.backbones import ResNetBackbone, TimmBackbone, TorchvisionBackbone, parse_arch
 from obow.checks import check_choice
 from obow.files import writing
 from obow.notices import ObowWarning
@@ -137,6 +137,7 @@ def export_backbone(
     read = "safetensors.torch.load_file(path)" if safetensors_path else "torch.load(path)"
     state: dict[str, Tensor] | None = None
     if source != "resnet":
+        assert isinstance(backbone, (TimmBackbone, TorchvisionBackbone))  # a timm: or torchvision: arch
         state, untrained = library_state_dict(backbone)
         name = backbone.arch.partition(":")[2]
         kwargs = "".join(f", {k}={v!r}" for k, v in backbone.options.items())
@@ -154,6 +155,7 @@ def export_backbone(
             )
             meta["usage"] = f"model = {loader}; model.load_state_dict({read})"
     elif fmt == "torchvision":
+        assert isinstance(backbone, ResNetBackbone)  # a plain resnet arch
         state = torchvision_state_dict(backbone)
         meta["fc"] = FC_NOTE
         meta["usage"] = f"model = torchvision.models.{backbone.arch}(); model.load_state_dict({read})"
@@ -190,7 +192,7 @@ def save_safetensors(state: dict[str, Tensor], path: str | Path, meta: dict[str,
     save_atomic(tensors, path, dump=lambda obj, f: f.write(safetensors.torch.save(obj, metadata=header)))
 
 
-def library_state_dict(backbone: torch.nn.Module) -> tuple[dict[str, Tensor], list[str]]:
+def library_state_dict(backbone: TimmBackbone | TorchvisionBackbone) -> tuple[dict[str, Tensor], list[str]]:
     """A timm / torchvision backbone's weights completed into the whole library model's ``state_dict``
     (strict loading), and the names of the entries that OBoW did not train (seeded fresh initialisation)."""
     state = {k: v.detach().clone() for k, v in backbone.full_model(seed=FC_SEED).state_dict().items()}

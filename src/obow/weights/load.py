@@ -25,7 +25,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from obow.backbones import STEMS, ResNetBackbone, TimmBackbone, build_backbone, parse_arch
+from obow.backbones import (
+    STEMS,
+    Backbone,
+    ResNetBackbone,
+    TimmBackbone,
+    TorchvisionBackbone,
+    build_backbone,
+    parse_arch,
+)
 from obow.checks import check_choice
 from obow.config import Config, from_dict
 from obow.data.eval_sets import views_dict
@@ -49,7 +57,7 @@ def load_backbone(
     stem: str | None = None,
     seed: int = 0,
     arch_options: dict[str, Any] | None = None,
-) -> tuple[torch.nn.Module, dict[str, Any]]:
+) -> tuple[Backbone, dict[str, Any]]:
     """A :class:`~obow.backbones.ResNetBackbone` and a description of where its weights came from.
 
     Give a pretraining ``checkpoint`` (``network`` picks the student or the EMA teacher), or an exported
@@ -75,7 +83,7 @@ def load_backbone(
         cfg = from_dict(Config, ckpt["config"])
         what = f"checkpoint {str(checkpoint)!r}"
         _check_expected(arch, stem, cfg.model.arch, cfg.model.stem, what)
-        info = {
+        info: dict[str, Any] = {
             "path": str(checkpoint),
             "arch": cfg.model.arch,
             "stem": cfg.model.stem,
@@ -118,7 +126,7 @@ def _random_info(seed: int) -> dict[str, Any]:
     return {"kind": "random_init", "network": None, "epoch": None, "iteration": None, "seed": seed}
 
 
-def _random_backbone(arch: str, stem: str, seed: int, options: dict[str, Any] | None = None) -> torch.nn.Module:
+def _random_backbone(arch: str, stem: str, seed: int, options: dict[str, Any] | None = None) -> Backbone:
     # fork_rng: the seed fixes this network without reseeding the caller's generator
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -138,7 +146,7 @@ def _check_expected(arch: str | None, stem: str | None, found_arch: str, found_s
         )
 
 
-def _load_exported(path: Path, arch: str | None, stem: str | None) -> tuple[torch.nn.Module, dict[str, Any]]:
+def _load_exported(path: Path, arch: str | None, stem: str | None) -> tuple[Backbone, dict[str, Any]]:
     """Read an ``obow export`` file (``--format torchvision`` or ``timm``, ``torch.save`` or safetensors), or a
     torchvision ResNet ``state_dict``."""
     state, meta = read_backbone_file(path)
@@ -152,6 +160,7 @@ def _load_exported(path: Path, arch: str | None, stem: str | None) -> tuple[torc
         found_arch, found_stem = meta["arch"], meta.get("stem", "torchvision")
         _check_expected(arch, stem, found_arch, found_stem, what)
         backbone = build_backbone(found_arch, found_stem, meta.get("arch_options"))
+        assert isinstance(backbone, (TimmBackbone, TorchvisionBackbone))  # not a plain resnet (above)
         backbone.load_export_state_dict(state)
         keys = ("network", "epoch", "iteration", "views", "arch_options")
         return backbone, {"kind": "exported", "path": str(path), "arch": found_arch, "stem": found_stem} | {
@@ -244,7 +253,7 @@ def _exported_info(path: Path, arch: str, stem: str, options: dict[str, Any], me
 
 def _load_without_sidecar(
     path: Path, state: dict[str, Tensor], arch: str | None, stem: str | None
-) -> tuple[torch.nn.Module, dict[str, Any]]:
+) -> tuple[Backbone, dict[str, Any]]:
     """An export whose ``.json`` sidecar is missing: the network recognised from its weights
     (:func:`recognise_weights`), or built from ``--arch`` / ``--stem``; a warning says what was assumed."""
     what, sidecar = f"backbone file {str(path)!r}", f"{path.name}.json"
@@ -256,6 +265,7 @@ def _load_without_sidecar(
             "network it was trained with: --arch (resnet18 ..., timm:NAME or torchvision:NAME) and --stem"
         )
     if found is None:  # --arch names a network the weights are not recognised as: try it, and say what failed
+        assert arch is not None  # refused above without either
         return _load_as_given(path, state, arch, stem or "torchvision")
     found_stem = found.stem or stem or "torchvision"
     _check_expected(arch, stem, found.arch, found_stem, what)
@@ -277,9 +287,7 @@ def _load_without_sidecar(
     return backbone, _exported_info(path, found.arch, found_stem, dict(found.options), {})
 
 
-def _load_as_given(
-    path: Path, state: dict[str, Tensor], arch: str, stem: str
-) -> tuple[torch.nn.Module, dict[str, Any]]:
+def _load_as_given(path: Path, state: dict[str, Tensor], arch: str, stem: str) -> tuple[Backbone, dict[str, Any]]:
     what = f"backbone file {str(path)!r}"
     try:
         backbone = _build_loaded(arch, stem, {}, state, what)
@@ -297,16 +305,15 @@ def _load_as_given(
     return backbone, _exported_info(path, arch, stem, {}, {})
 
 
-def _build_loaded(
-    arch: str, stem: str, options: dict[str, Any], state: dict[str, Tensor], what: str
-) -> torch.nn.Module:
+def _build_loaded(arch: str, stem: str, options: dict[str, Any], state: dict[str, Tensor], what: str) -> Backbone:
     """``arch`` with ``stem`` and ``options``, holding ``state``; a ``ValueError`` naming ``what`` if it does not
     fit."""
     if parse_arch(arch)[0] == "resnet":
-        backbone = ResNetBackbone(arch, stem)
-        load_weights(backbone, {k: v for k, v in state.items() if not k.startswith("fc.")}, what)
-        return backbone
+        resnet = ResNetBackbone(arch, stem)
+        load_weights(resnet, {k: v for k, v in state.items() if not k.startswith("fc.")}, what)
+        return resnet
     backbone = build_backbone(arch, stem, options)
+    assert isinstance(backbone, (TimmBackbone, TorchvisionBackbone))  # not a plain resnet (above)
     try:
         backbone.load_export_state_dict(state)
     except ValueError as err:
@@ -332,7 +339,7 @@ class Recognised:
 
 #: timm ResNets by blocks per stage and block type (``True``: bottleneck), tried in order; the letters are stems
 #: (``d``: deep, average-pool shortcut; ``t``: tiered deep; ``c``: deep; ``s``: wide deep).
-TIMM_RESNETS = {
+TIMM_RESNETS: dict[tuple[tuple[int, ...], bool], tuple[str, ...]] = {
     ((1, 1, 1, 1), False): ("resnet10t",),
     ((1, 1, 1, 1), True): ("resnet14t",),
     ((2, 2, 2, 2), False): ("resnet18", "resnet18d"),
@@ -368,7 +375,7 @@ def _recognise_timm_resnet(state: dict[str, Tensor]) -> Recognised | None:
     names = TIMM_RESNETS.get((blocks, "layer1.0.conv3.weight" in state), ())
     channels = {"channels": [int(state[k].shape[0]) for k in stages]}
     # the fewest options that fit (timm's single-convolution stem ignores stem_width: always 64 channels)
-    tries = ({}, channels, {**channels, "stem_width": int(state[stem_conv].shape[0])})
+    tries: tuple[dict[str, Any], ...] = ({}, channels, {**channels, "stem_width": int(state[stem_conv].shape[0])})
     for name in names:
         for options in tries:
             try:
@@ -386,7 +393,7 @@ def _same_shapes(expected: dict[str, Tensor], state: dict[str, Tensor]) -> bool:
 
 
 #: Blocks per stage and block type of each torchvision ResNet (``layer1.0.conv2`` tells the Bottleneck kinds apart).
-_SIGNATURES = {
+_SIGNATURES: dict[tuple[tuple[int, ...], tuple[int, ...] | None], str] = {
     ((2, 2, 2, 2), None): "resnet18",
     ((3, 4, 6, 3), None): "resnet34",
     ((3, 4, 6, 3), (64, 64)): "resnet50",
@@ -412,7 +419,7 @@ def guess_architecture(state: dict[str, Tensor]) -> tuple[str | None, str | None
     return _SIGNATURES.get((blocks, bottleneck)), stem
 
 
-def load_weights(backbone: ResNetBackbone, state: dict[str, Tensor], what: str) -> None:
+def load_weights(backbone: Backbone, state: dict[str, Tensor], what: str) -> None:
     """``load_state_dict(strict=True)`` with a message naming the expected and the found architecture."""
     expected = backbone.state_dict()
     missing = [k for k in expected if k not in state]

@@ -265,7 +265,7 @@ def select_rows(table: Table, wanted: list[str] | None) -> list[Row]:
     """The rows named in ``wanted`` (labels, slugs or 1-based numbers), all rows when ``None``."""
     if not wanted:
         return list(table.rows)
-    out = []
+    out: list[Row] = []
     for item in wanted:
         match = [r for i, r in enumerate(table.rows, start=1) if item in (r.label, r.slug, str(i))]
         if not match:

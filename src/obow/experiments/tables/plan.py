@@ -184,7 +184,9 @@ def budget_plan(
 
     path = folder / "plan.json"
     wanted = {"epochs": budget} if minutes is None else {"minutes": minutes}
-    plan = json.loads(path.read_text()) if path.exists() else {"budget": wanted, "steps_per_epoch": steps_per_epoch}
+    plan: dict[str, Any] = (
+        json.loads(path.read_text()) if path.exists() else {"budget": wanted, "steps_per_epoch": steps_per_epoch}
+    )
     if plan["budget"] != wanted or plan["steps_per_epoch"] != steps_per_epoch:
         raise ValueError(
             f"{folder} holds a table planned for {budget_text(plan['budget'])} a row and {plan['steps_per_epoch']} "
@@ -270,6 +272,7 @@ def budget_plan(
     for key, stage in missing.items():
         cfg = configs[key]
         if minutes is None:
+            assert budget is not None  # an epochs budget, else minutes
             epochs = max(1, round(budget * stage.share))
         else:
             epochs = plan_epochs(minutes * stage.share, timed[key], steps_per_epoch)
@@ -404,8 +407,8 @@ def share_rows(
     matches: dict[str, str] = {}
     for row in table.rows:
         if not row.stages:
-            mine = to_dict(config(row))
-            same = [slug for slug, cfg in theirs.items() if cfg == mine]
+            settings = to_dict(config(row))
+            same = [slug for slug, cfg in theirs.items() if cfg == settings]
             if same:
                 matches[row.slug] = same[0]
     if not matches:

@@ -215,11 +215,16 @@ def run_table(
                 "; ".join(map(str, waiting)),
             )
             tasks = [task for task in tasks if task not in waiting]
+
+        def done(task: Task) -> None:
+            write_table()
+            log.info("%s: %s done", name, task)
+
         if jobs == 1 or len(tasks) < 2:
             run_in_order(
                 tasks,
                 lambda task: _run_task(task, folder, recipe, common, values, plan, base, sets, device, protocol),
-                lambda task: (write_table(), log.info("%s: %s done", name, task)),
+                done,
             )
         else:
             threads = base.train.threads or max(1, available_cores() // min(jobs, len(tasks)))
@@ -229,7 +234,7 @@ def run_table(
                 jobs,
                 threads,
                 lambda task: (task, folder, recipe, job_common, values, plan, base, sets, device, protocol),
-                lambda task: (write_table(), log.info("%s: %s done", name, task)),
+                done,
             )
         record = write_table()
         return record
@@ -383,7 +388,8 @@ def run_in_processes(
     from obow.training.loop import Interrupted
 
     context = multiprocessing.get_context("spawn")
-    pending, running = list(tasks), {}
+    pending = list(tasks)
+    running: dict[Any, tuple[Any, Task]] = {}  # a process's sentinel -> the process and its task
     received: list[str] = []
     failed: list[tuple[Task, int | None]] = []
 
@@ -411,7 +417,7 @@ def run_in_processes(
                 process.start()
                 running[process.sentinel] = (process, task)
                 log.info("started %s (process %d, %d thread(s))", task, process.pid, threads)
-                if received and process.is_alive():  # the signal came while it started, before it was running
+                if received and process.is_alive() and process.pid is not None:  # the signal came while it started
                     os.kill(process.pid, signal.Signals[received[0]])
             for sentinel in multiprocessing.connection.wait(list(running)):
                 process, task = running.pop(sentinel)

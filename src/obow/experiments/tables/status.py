@@ -7,6 +7,7 @@ import json
 import re
 import statistics
 from pathlib import Path
+from typing import cast
 
 from obow.experiments.tables.catalog import TABLES
 
@@ -44,7 +45,9 @@ def table_status(folder: str | Path, seeds: list[int] | None = None) -> str:
     lines += ["", "| row | seed | state | steps | minutes left |", "|---|---|---|---|---|"]
     left_total, unknown, waiting = 0.0, False, 0
     for seed in seeds:
-        state = "done" if (folder / "random_init" / f"seed{seed}" / "result.json").is_file() else "not evaluated"
+        state: str | None = (
+            "done" if (folder / "random_init" / f"seed{seed}" / "result.json").is_file() else "not evaluated"
+        )
         waiting += state != "done"
         lines.append(f"| random init | {seed} | {state} | - | - |")
         for row in rows:
@@ -155,7 +158,7 @@ def curves_text(folder: str | Path, seeds: list[int] | None = None) -> str:
     for label in curves if shared else ():
         cells = []
         for it in shared:
-            value, n = mean_at(label, it)
+            value, n = cast(tuple[float, int], mean_at(label, it))  # a point some seed reached
             cells.append(f"{value:.2f}" + (f" ({n})" if n < len(seen) else ""))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "Every point, with its planned minutes (steps x the row's timed seconds a step):", ""]
@@ -163,7 +166,7 @@ def curves_text(folder: str | Path, seeds: list[int] | None = None) -> str:
     for label in curves:
         per_step = seconds(label)
         for it in sorted(set().union(*map(set, curves[label].values()))):
-            value, n = mean_at(label, it)
+            value, n = cast(tuple[float, int], mean_at(label, it))  # a point some seed reached
             minutes = "-" if per_step is None else f"{it * per_step / 60:.1f}"
             lines.append(f"| {label} | {it} | {minutes} | {value:.2f}" + (f" ({n})" if n < len(seen) else "") + " |")
     return "\n".join(lines) + "\n"

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -85,7 +85,7 @@ class Interrupted(Exception):
     def exit_code(self) -> int:
         """The shell's code for a run stopped by this signal: 128 + its number (130 for SIGINT, 143 for SIGTERM;
         SIGINT's when the signal is not known here)."""
-        name = self.signal if self.signal in signal.Signals.__members__ else "SIGINT"
+        name = self.signal if self.signal is not None and self.signal in signal.Signals.__members__ else "SIGINT"
         return 128 + int(signal.Signals[name])
 
 
@@ -165,6 +165,7 @@ def open_run(cfg: Config, out: Path) -> dict[str, Any] | None:
         if ckpt is not None:
             truncate_log(out / "log.jsonl", ckpt["iteration"])
         if extended_from is not None:
+            assert ckpt is not None  # a run is extended from its checkpoint
             note_plan_change(out / "log.jsonl", ckpt["iteration"], extended_from, cfg.optim.epochs)
     return ckpt
 
@@ -344,7 +345,8 @@ def seed_run(seed: int) -> None:
 
 def get_rng_state() -> dict[str, Any]:
     """This process's random states as tensors and plain values (a weights-only load reads them back)."""
-    name, key, pos, has_gauss, cached_gaussian = np.random.get_state()
+    legacy = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())  # legacy=True: the tuple
+    name, key, pos, has_gauss, cached_gaussian = legacy
     return {
         "python": random.getstate(),
         "numpy": {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -34,7 +34,7 @@ def chosen_threads(threads: int, why: str, workers: bool = True) -> Iterator[Non
         torch.set_num_threads(previous)
 
 
-def choose_threads(cfg: Config, environ: dict[str, str] | None = None, cores: int | None = None) -> tuple[int, str]:
+def choose_threads(cfg: Config, environ: Mapping[str, str] | None = None, cores: int | None = None) -> tuple[int, str]:
     """Intra-op threads for each training process, and why: ``train.threads`` when set; else the user's
     ``OMP_NUM_THREADS``; else the cores this process may use, shared by the training processes of this machine
     (``LOCAL_WORLD_SIZE``). Data-loading workers are not subtracted: on a quiet 2-core machine they need little

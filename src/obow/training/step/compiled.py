@@ -62,7 +62,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -100,6 +100,7 @@ def traces_leaf_tensors() -> bool:
     def probe(x: Tensor) -> Tensor:
         leaf = (x * 2).detach().requires_grad_(True)
         (leaf * x).sum().backward()
+        assert leaf.grad is not None  # the backward just above
         return leaf.grad * 1
 
     try:
@@ -117,7 +118,7 @@ def lerps_as_eager() -> bool:
     2.14's through ``addcmul`` is exact."""
 
     def lerp(averages: list[Tensor], sources: list[Tensor], weight: Tensor) -> None:
-        torch._foreach_lerp_(averages, sources, weight)
+        torch._foreach_lerp_(averages, sources, weight)  # type: ignore[call-overload]  # a 0-d tensor weight: torch takes it, its stub lists scalars only
 
     g = torch.Generator().manual_seed(0)
     start, end = torch.randn(4096, generator=g), torch.randn(4096, generator=g)
@@ -167,7 +168,7 @@ class CompiledStep:
         self.model = model
         self.optimizer = optimizer
         self.forward_backward = forward_backward
-        self.lr = configure_optimizer(optimizer, step=True)
+        self.lr = cast(Tensor, configure_optimizer(optimizer, step=True))  # step=True: the 0-d learning rate
         device = self.lr.device
         self.momentum = torch.zeros((), dtype=torch.float64, device=device)
         model.momentum_input = self.momentum

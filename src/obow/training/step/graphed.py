@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -106,7 +107,7 @@ class GraphedStep:
         self.model = model
         self.optimizer = optimizer
         self.forward_backward = forward_backward
-        self.lr = configure_optimizer(optimizer, step=True, graph=True)
+        self.lr = cast(Tensor, configure_optimizer(optimizer, step=True, graph=True))  # step=True: the 0-d lr
         self.momentum = torch.zeros((), dtype=torch.float64, device=self.lr.device)
         model.momentum_input = self.momentum
         start_momentum_buffers(optimizer)  # the first step's graph is every later one's
@@ -182,6 +183,7 @@ class GraphedStep:
         batch = [teacher_images, *student_views]
         if self.inputs is None and not self.captured:
             self.inputs = (teacher_images.clone(), [v.clone() for v in student_views])
+        assert self.inputs is not None  # made on the first step, before any capture
         held = [self.inputs[0], *self.inputs[1]]
         if len(held) == len(batch) and all(same_layout(a, b) for a, b in zip(held, batch, strict=True)):
             for a, b in zip(held, batch, strict=True):

@@ -9,10 +9,11 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from obow import distributed as D
 from obow.methods.base import Method
@@ -53,7 +54,8 @@ def forward_backward(
     grad_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
     for g in range(len(student_views)):
         last = g == len(student_views) - 1
-        no_sync = step_model.no_sync() if D.is_distributed() and not last else contextlib.nullcontext()
+        distributed = D.is_distributed() and not last  # DistributedDataParallel: synchronised by the last group
+        no_sync = cast(DDP, step_model).no_sync() if distributed else contextlib.nullcontext()
         with no_sync:
             with autocast:
                 output = step_model(teacher_images, student_views, group=g, grad_scale=grad_scale)

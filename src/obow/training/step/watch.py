@@ -154,7 +154,7 @@ class CompileWatch:
                 "checkpoint",
                 self.mode,
                 "before the first step" if self.first else f"at iteration {self.in_step}",
-                TAKES.get(self.mode, "minutes"),
+                TAKES.get(str(self.mode), "minutes"),
             )
             self.said = True
         else:

@@ -299,6 +299,7 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
     log.info("Demo: pretraining %s on %s (recipe '%s')", cfg.model.arch, train_dir, recipe)
     result = pretrain(cfg, out / "pretrain", monitor=KNNMonitor)
     pretrain_time = time.time() - start
+    earlier = earlier_pretraining(out, result)
 
     train_set = eval_dataset(train_dir, cfg.views)
     val_set = eval_dataset(val_dir, cfg.views)
@@ -331,7 +332,9 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
         "knn_per_epoch": curve,
         "pretext": pretext,
         "beats_constant_predictor": beats_constant_predictor(pretext)[0],
-        "pretrain_seconds": pretrain_time,
+        # an earlier call's pretraining, when this one found the run finished (None: no earlier report says it)
+        "pretrain_seconds": pretrain_time if earlier is False else earlier,
+        "pretrained_earlier": earlier is not False,
         "total_seconds": total,
         "dataset": dataset,
         "recipe": recipe,
@@ -339,8 +342,24 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
     }
     with writing(out / "demo_results.json") as path, open(path, "w") as f:
         json.dump(report, f, indent=2)
-    print_table(rows, pretext, pretrain_time, total, curve, data.title)
+    print_table(rows, pretext, pretrain_time, total, curve, data.title, earlier=earlier)
+    print(
+        f"\nwritten: {out / 'demo_results.json'} (these numbers), the run in {out / 'pretrain'} (checkpoint.pt, "
+        f"log.jsonl); its curves: obow show run {out}"
+    )
     return report
+
+
+def earlier_pretraining(out: Path, result: dict) -> float | None | bool:
+    """``False`` when this call pretrained; else the run was finished by an earlier ``obow demo`` in ``out``, and
+    this is that call's pretraining seconds from its ``demo_results.json`` (``None`` when none says)."""
+    if not result.get("already_finished"):
+        return False
+    try:
+        seconds = json.loads((out / "demo_results.json").read_text())["pretrain_seconds"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return float(seconds) if isinstance(seconds, int | float) else None
 
 
 def knn_curve(log_path: Path) -> list[tuple[int, float]]:
@@ -406,7 +425,10 @@ def print_table(
     total: float,
     curve: list[tuple[int, float]] = (),
     title: str = DATASETS["digits"].title,
+    earlier: float | None | bool = False,
 ) -> None:
+    """The demo's closing lines; ``earlier`` as :func:`earlier_pretraining` returns it (``False``: this call
+    pretrained for ``pretrain_time`` seconds)."""
     columns = (
         ("kNN k=20", "knn_k20"),
         ("10-way 1-shot", "fewshot_10way_1shot"),
@@ -435,10 +457,15 @@ def print_table(
         f"BoW would score {pretext['last_epoch_average_bow_loss']:.2f}."
     )
     print(beats_constant_predictor(pretext)[1])
-    print(
-        f"kNN accuracy, pretrained minus random init: {gain:+.2f} points; pretraining {pretrain_time / 60:.1f} "
-        f"min, demo total {total / 60:.1f} min."
-    )
+    if earlier is False:
+        took = f"pretraining {pretrain_time / 60:.1f} min, demo total {total / 60:.1f} min"
+    else:
+        before = "" if earlier is None else f" in {earlier / 60:.1f} min"
+        took = (
+            f"pretraining already done by an earlier obow demo{before} (the run is finished: nothing was trained "
+            f"now), evaluated again in {total / 60:.1f} min"
+        )
+    print(f"kNN accuracy, pretrained minus random init: {gain:+.2f} points; {took}.")
     if gain <= 0:
         print(
             "This run did not improve on the random network's features (docs/demo.md and docs/short-runs.md say\n"

@@ -195,7 +195,10 @@ def usage_lines(backbone: torch.nn.Module, out_path: Path, views: dict[str, Any]
             )
         if backbone.stem != "torchvision":
             lines.append(f"model.maxpool = torch.nn.Identity()  # the {backbone.stem} stem has no max-pool")
-        lines += [f"model.load_state_dict({read})", "model.fc = torch.nn.Identity()  # fc is untrained: the pooled last stage is the output"]
+        lines += [
+            f"model.load_state_dict({read})",
+            "model.fc = torch.nn.Identity()  # fc is untrained: the pooled last stage is the output",
+        ]
         forward = "model(batch)"
     elif source == "timm":
         if safetensors_path:  # timm's own way to read a local file, strict as well

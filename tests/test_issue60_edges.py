@@ -1,6 +1,5 @@
 """What a demanding newcomer met (issue 60, items 12 and 14), each with the command or file that showed it."""
 
-import json
 import logging
 import os
 import re
@@ -205,25 +204,4 @@ def test_a_real_cpu_compile_in_obows_watch_does_not_print_the_no_cuda_runtime_li
     assert "No CUDA runtime is found" not in stderr["watched"]
 
 
-# ---------------------------------------------------------------------------------------- item 14: the demo's end
-
-
-@pytest.mark.slow
-def test_the_demo_names_its_results_and_a_rerun_says_it_was_already_done(tmp_path, obow_cli):
-    out = tmp_path / "demo"
-    tiny = ["optim.epochs=1", "data.images_per_class=16", "views.num_patches=0", "model.num_words=128",
-            "data.num_workers=0", "train.progress_bar=false", "train.knn_every=0"]  # fmt: skip
-    first = obow_cli("demo", "--out", out, *tiny).out
-    closing = first.strip().splitlines()[-1]
-    assert str(out / "demo_results.json") in closing and f"obow show run {out}" in closing
-    assert re.search(r"pretraining \d+\.\d min, demo total", first)
-    report = json.loads((out / "demo_results.json").read_text())
-    assert report["pretrained_earlier"] is False and report["pretrain_seconds"] > 0
-    again = obow_cli("demo", "--out", out, *tiny).out
-    assert "pretraining 0.0 min" not in again
-    minutes = f"{report['pretrain_seconds'] / 60:.1f}"
-    assert f"pretraining already done by an earlier obow demo in {minutes} min" in again
-    assert str(out / "demo_results.json") in again.strip().splitlines()[-1]
-    rerun = json.loads((out / "demo_results.json").read_text())
-    assert rerun["pretrained_earlier"] is True and rerun["pretrain_seconds"] == report["pretrain_seconds"]
-    assert rerun["results"] == report["results"]  # the same run, evaluated again
+# The demo's end and its re-run: tests/test_demo.py::test_demo_runs_end_to_end_at_a_tiny_size (a real demo).

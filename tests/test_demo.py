@@ -1,4 +1,5 @@
 import json
+import re
 
 import numpy as np
 import pytest
@@ -159,17 +160,15 @@ def test_obow_demo_passes_the_recipe_it_is_given(monkeypatch):
 
 @pytest.mark.slow
 def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
-    report = run_demo(
-        tmp_path,
-        [
-            "optim.epochs=2",
-            "data.images_per_class=32",
-            "views.num_patches=0",
-            "model.num_words=128",
-            "data.num_workers=0",
-            "train.progress_bar=false",
-        ],
-    )
+    overrides = [
+        "optim.epochs=2",
+        "data.images_per_class=32",
+        "views.num_patches=0",
+        "model.num_words=128",
+        "data.num_workers=0",
+        "train.progress_bar=false",
+    ]
+    report = run_demo(tmp_path, overrides)
     rows = report["results"]
     for row in rows.values():
         for key in ("fewshot_10way_1shot", "fewshot_10way_5shot", "knn_k20"):
@@ -192,3 +191,14 @@ def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "random init" in out and "OBoW pretrained" in out and "pretext task" in out
     assert sentence in out
+    # the end names what was written and how to see the curves (issue 60)
+    closing = out.strip().splitlines()[-1]
+    assert str(tmp_path / "demo_results.json") in closing and f"obow show run {tmp_path}" in closing
+    assert re.search(r"pretraining \d+\.\d min, demo total", out) and saved["pretrained_earlier"] is False
+    # the same demo again: the run is finished, nothing is trained, and the demo says so (it said "0.0 min")
+    again = run_demo(tmp_path, overrides)
+    out = capsys.readouterr().out
+    assert "pretraining 0.0 min" not in out and str(tmp_path / "demo_results.json") in out.strip().splitlines()[-1]
+    assert f"pretraining already done by an earlier obow demo in {saved['pretrain_seconds'] / 60:.1f} min" in out
+    assert again["pretrained_earlier"] is True and again["pretrain_seconds"] == saved["pretrain_seconds"]
+    assert again["results"] == rows  # the same run, evaluated again

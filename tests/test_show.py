@@ -154,7 +154,7 @@ def test_grid_and_html_hold_every_patch(tmp_path):
     patches = {
         w: [
             {"pixels": rng.integers(0, 200, (10, 12, 3), dtype=np.uint8), "box": (0, 0, 10, 12), "path": f"{w}_{j}.png"}
-            | {"image": j, "row": 0, "col": j, "score": 0.5}
+            | {"image": j, "name": f"c{w}/{w}_{j}.png", "row": 0, "col": j, "score": 0.5}
             for j in range(count)
         ]
         for w, count in ((4, 8), (1, 3))

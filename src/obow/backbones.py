@@ -301,8 +301,8 @@ class TimmBackbone(_StagedBackbone):
             body: Any = timm.create_model(name, pretrained=False, features_only=True, **_plain_options(options))
         except (RuntimeError, TypeError, ValueError) as err:
             raise ValueError(f"model.arch timm:{name}: timm cannot build it with features_only ({err})") from None
-        if stem != "torchvision":
-            _shrink_stem(body, stem, self.arch)
+        #: the stem's modules that obow changed, by name (``obow.weights.export`` prints the same changes)
+        self.stem_edits = _shrink_stem(body, stem, self.arch) if stem != "torchvision" else StemEdits((), None)
         self.body = body
         self._set_levels(list(body.feature_info.channels()))
 
@@ -318,7 +318,16 @@ class TimmBackbone(_StagedBackbone):
             return timm.create_model(self.arch.partition(":")[2], pretrained=False, **_plain_options(self.options))
 
 
-def _shrink_stem(body: Any, stem: str, arch: str) -> None:  # timm's features_only model: its feature_info
+@dataclass(frozen=True)
+class StemEdits:
+    """What :func:`_shrink_stem` changed, by module name: the max-pools made ``nn.Identity()`` and the
+    convolution given stride 1 (``None``: none)."""
+
+    pools: tuple[str, ...]
+    stride_one: str | None
+
+
+def _shrink_stem(body: Any, stem: str, arch: str) -> StemEdits:
     """Drop the stem's max-pool and, for ``"cifar"``, the stride of its first strided convolution."""
     stage_names = [info["module"] for info in body.feature_info.info]
     first_stage = stage_names[1] if len(stage_names) > 1 else stage_names[0]
@@ -333,11 +342,13 @@ def _shrink_stem(body: Any, stem: str, arch: str) -> None:  # timm's features_on
     for name in pools:
         parent, _, child = name.rpartition(".")
         setattr(body.get_submodule(parent) if parent else body, child, nn.Identity())
-    if stem == "cifar":
-        convs = [m for _, m in stem_modules if isinstance(m, nn.Conv2d) and m.stride != (1, 1)]
-        if not convs:
-            raise ValueError(f"{arch} has no strided convolution in its stem: use stem torchvision")
-        convs[0].stride = (1, 1)
+    if stem != "cifar":
+        return StemEdits(tuple(pools), None)
+    convs = [(n, m) for n, m in stem_modules if isinstance(m, nn.Conv2d) and m.stride != (1, 1)]
+    if not convs:
+        raise ValueError(f"{arch} has no strided convolution in its stem: use stem torchvision")
+    convs[0][1].stride = (1, 1)
+    return StemEdits(tuple(pools), convs[0][0])
 
 
 class TorchvisionBackbone(_StagedBackbone):

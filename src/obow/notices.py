@@ -57,6 +57,25 @@ def show_warning(
         log.debug("%s: %s (%s:%d)", category.__name__, message, filename, lineno)
 
 
+class DropMessage(logging.Filter):
+    """Drops the log records whose message starts with ``start``."""
+
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
+
+
+#: PyTorch's ``No CUDA runtime is found, using CUDA_HOME=...``, logged by its C++ extension set-up, which a
+#: compile imports: on a machine with a CUDA toolkit but no usable GPU, i.e. a CPU run, where it is nothing to act
+#: on. :class:`obow.training.compiling.CompileWatch` puts this filter on :data:`CPP_EXTENSION_LOGGER` while a run
+#: compiles.
+NO_CUDA_RUNTIME = DropMessage("No CUDA runtime is found")
+CPP_EXTENSION_LOGGER = "torch.utils.cpp_extension"
+
+
 class _Held(logging.Filter):
     """Keeps the records of the ``obow`` logger instead of letting them through."""
 

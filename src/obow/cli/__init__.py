@@ -131,11 +131,13 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from obow import __version__
     from obow.cli.evaluate import add_eval_parser
     from obow.cli.show import add_show_parser
     from obow.cli.weights import add_export_parser, add_import_parser
 
     parser = Parser(prog="obow", description="OBoW self-supervised pretraining and evaluation")
+    parser.add_argument("--version", action="version", version=f"obow {__version__}")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
 
     p = sub.add_parser("pretrain", help="pretrain a network with OBoW on a folder of images")
@@ -277,10 +279,6 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from obow.config import ConfigError, load_config
 
-    if args.data is None and args.config is None:
-        print("obow pretrain: no --data given: running the built-in demo (obow demo)")
-        args.dataset = "digits"
-        return cmd_demo(args)
     overrides = list(args.overrides)
     if args.data is not None:
         overrides.append(f"data.path={args.data}")
@@ -290,7 +288,10 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     with notices_held():
         cfg = load_config(args.config, overrides)
         if cfg.data.path is None:
-            raise ConfigError("no training images: pass --data DIR (or set data.path in the recipe)")
+            raise ConfigError(
+                "no training images: pass --data DIR (or set data.path in the recipe); "
+                "`obow demo` pretrains on built-in images"
+            )
         out = Path(args.out or Path("runs") / (Path(args.config).stem if args.config else "obow"))
         from obow.evaluate.monitor import KNNMonitor
         from obow.training.loop import Interrupted, pretrain

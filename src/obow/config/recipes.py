@@ -24,9 +24,14 @@ def available_recipes() -> dict[str, str]:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    with open(path) as f:
+    with open(path, "rb") as f:  # bytes: PyYAML decodes them, and names the file when they are not text
         try:
             raw = yaml.safe_load(f) or {}
+        except yaml.reader.ReaderError as err:  # bytes that are not UTF-8 (or UTF-16) text, or control characters
+            raise ConfigError(
+                f"{path}: not a text file, so not a YAML recipe (character #x{err.character:02x} at byte "
+                f"{err.position}: {err.reason})"
+            ) from None
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)

@@ -301,7 +301,9 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
     cfg = load_config(recipe, demo_settings(out, overrides, train_dir, val_dir))
     log.info("Demo: pretraining %s on %s (recipe '%s')", cfg.model.arch, train_dir, recipe)
     result = pretrain(cfg, out / "pretrain", monitor=KNNMonitor)
-    pretrain_time = time.time() - start
+    # a run finished by an earlier call trains nothing now: its time is the one that call wrote down
+    pretrained_earlier = bool(result.get("already_finished"))
+    pretrain_time = earlier_pretrain_seconds(out) if pretrained_earlier else time.time() - start
 
     train_set = eval_dataset(train_dir, cfg.views)
     val_set = eval_dataset(val_dir, cfg.views)
@@ -334,7 +336,8 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
         "knn_per_epoch": curve,
         "pretext": pretext,
         "beats_constant_predictor": beats_constant_predictor(pretext)[0],
-        "pretrain_seconds": pretrain_time,
+        "pretrain_seconds": pretrain_time,  # None: the run was finished by a call whose report is gone
+        "pretrained_earlier": pretrained_earlier,
         "total_seconds": total,
         "dataset": dataset,
         "recipe": recipe,
@@ -342,8 +345,22 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
     }
     with writing(out / "demo_results.json") as path, open(path, "w") as f:
         json.dump(report, f, indent=2)
-    print_table(rows, pretext, pretrain_time, total, curve, data.title)
+    print_table(rows, pretext, pretrain_time, total, curve, data.title, pretrained_earlier=pretrained_earlier)
+    print(
+        f"\nwritten: {out / 'demo_results.json'} (these numbers), the run in {out / 'pretrain'} (checkpoint.pt, "
+        f"log.jsonl); its curves: obow show run {out}"
+    )
     return report
+
+
+def earlier_pretrain_seconds(out: Path) -> float | None:
+    """The pretraining seconds the last ``obow demo`` in ``out`` wrote in its ``demo_results.json`` (``None`` when
+    none says)."""
+    try:
+        seconds = json.loads((out / "demo_results.json").read_text())["pretrain_seconds"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return float(seconds) if isinstance(seconds, int | float) else None
 
 
 def knn_curve(log_path: Path) -> list[tuple[int, float]]:
@@ -405,11 +422,14 @@ def beats_constant_predictor(pretext: dict[str, float]) -> tuple[bool, str]:
 def print_table(
     rows: dict[str, dict[str, float]],
     pretext: dict[str, float],
-    pretrain_time: float,
+    pretrain_time: float | None,
     total: float,
     curve: Sequence[tuple[int, float]] = (),
     title: str = DATASETS["digits"].title,
+    pretrained_earlier: bool = False,
 ) -> None:
+    """The demo's table and closing lines; ``pretrained_earlier``: the run was finished by an earlier call, which
+    took ``pretrain_time`` seconds to pretrain (``None``: unknown)."""
     columns = (
         ("kNN k=20", "knn_k20"),
         ("10-way 1-shot", "fewshot_10way_1shot"),
@@ -438,10 +458,15 @@ def print_table(
         f"BoW would score {pretext['last_epoch_average_bow_loss']:.2f}."
     )
     print(beats_constant_predictor(pretext)[1])
-    print(
-        f"kNN accuracy, pretrained minus random init: {gain:+.2f} points; pretraining {pretrain_time / 60:.1f} "
-        f"min, demo total {total / 60:.1f} min."
-    )
+    if not pretrained_earlier:
+        took = f"pretraining {pretrain_time / 60:.1f} min, demo total {total / 60:.1f} min"
+    else:
+        before = "" if pretrain_time is None else f" in {pretrain_time / 60:.1f} min"
+        took = (
+            f"pretraining already done by an earlier obow demo{before} (the run is finished: nothing was trained "
+            f"now), evaluated again in {total / 60:.1f} min"
+        )
+    print(f"kNN accuracy, pretrained minus random init: {gain:+.2f} points; {took}.")
     if gain <= 0:
         print(
             "This run did not improve on the random network's features (docs/demo.md and docs/short-runs.md say\n"

@@ -119,6 +119,11 @@ def panels_for(runs: Sequence[RunLog]) -> list[Panel]:
     return [p for p in candidates if p.series]
 
 
+#: The markers that tell a run's curves of one panel apart when several runs share the panel (a colour per run),
+#: and about how many marks each curve carries.
+CURVE_MARKERS = ("o", "s", "^", "v", "D", "x", "P", "*")
+MARKS_PER_CURVE = 8
+
 #: Characters of a panel title's line: longer titles wrap, so that each stays over its own panel.
 TITLE_WIDTH = 52
 
@@ -146,12 +151,15 @@ def runs_figure(runs: Sequence[RunLog]):
                 if not points:
                     continue
                 xs, ys = zip(*points, strict=True)
-                if len(runs) > 1:  # a colour per run, the legend names the runs
+                style = {"linestyle": "--" if dashed else "-", "marker": "." if len(xs) < 20 else None}
+                if len(runs) > 1:  # a colour per run; within a run, a marker per curve; the legend names both
                     colour = colours[r % len(colours)]
                     label = f"{run.name}: {key}" if len(panel.series) > 1 else run.name
+                    if len(panel.series) > 1:
+                        style["marker"] = CURVE_MARKERS[s % len(CURVE_MARKERS)]
+                        style["markevery"] = max(1, len(xs) // MARKS_PER_CURVE)
                 else:
                     colour, label = colours[s % len(colours)], key
-                style = {"linestyle": "--" if dashed else "-", "marker": "." if len(xs) < 20 else None}
                 ax.plot(xs, ys, color=colour, label=label, **style)
         ax.set_title(textwrap.fill(panel.title, TITLE_WIDTH), fontsize=10)
         ax.set_xlabel("iteration" if panel.source == "steps" else "epoch")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import html
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -228,8 +229,9 @@ def cut_patches(
     border: int,
     context: int = 1,
 ) -> dict[int, list[dict[str, Any]]]:
-    """For each chosen word, its best locations as ``{"pixels", "box", "image", "path", "row", "col",
-    "score"}``, best first. Each image is read once, however many patches it holds."""
+    """For each chosen word, its best locations as ``{"pixels", "box", "image", "path", "name", "row", "col",
+    "score"}``, best first (``name``: the image's path under the data folder). Each image is read once, however
+    many patches it holds."""
     views: dict[int, np.ndarray] = {}
     out: dict[int, list[dict[str, Any]]] = {}
     for word in words:
@@ -249,6 +251,8 @@ def cut_patches(
                     "box": box,
                     "image": index,
                     "path": dataset.images.paths[index],
+                    # under the data folder: class folders often hold files of the same names (0002.jpg)
+                    "name": Path(os.path.relpath(dataset.images.paths[index], dataset.images.root)).as_posix(),
                     "row": row,
                     "col": col,
                     "score": float(stats.scores[word, j]),
@@ -303,7 +307,7 @@ def write_html(patches: dict[int, list[dict[str, Any]]], usage: Tensor, out: Pat
                 Image.fromarray(patch["pixels"]).save(out / name)
             top, left, bottom, right = patch["box"]
             caption = (
-                f"{Path(patch['path']).name}, location ({patch['row']}, {patch['col']}), "
+                f"{patch['name']}, location ({patch['row']}, {patch['col']}), "
                 f"pixels y {top}-{bottom} x {left}-{right}, score {patch['score']:.3f}"
             )
             figures.append(

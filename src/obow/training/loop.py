@@ -176,8 +176,14 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
     check_inputs(cfg)  # before the run folder is created
     if why := check_step_mode(cfg):
         raise RunError(why)
-    # and the images found before it too: an empty --data leaves no folder with a config.yaml and a lock behind
+    # and the images found before it too: an empty --data, or one with fewer images than a batch, leaves no folder
+    # with a config.yaml and a lock behind
     images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
+    if cfg.data.batch_size > len(images):  # a step takes a whole batch: not one would be made
+        raise RunError(
+            f"data.batch_size ({cfg.data.batch_size}) is larger than the number of images ({len(images)}) under "
+            f"{cfg.data.path}: lower data.batch_size or add images"
+        )
     release_notices()  # the lines `obow pretrain` held until the images were found
     with RunLock(out, device=device):  # one writer per run folder, from here to the end
         settled = settle_run(cfg, out, device)
@@ -206,7 +212,7 @@ def train_in_lock(
             state.iteration,
             total_iters,
         )
-        return summary(out, state)
+        return {**summary(out, state), "already_finished": True}
 
     step_model = prepare_step_model(model, cfg, device)
     logger = RunLogger(out, cfg, enabled=D.is_main_process())

@@ -30,6 +30,7 @@ Only ``format``, ``version``, ``config`` and ``model`` are needed to evaluate or
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import os
 import pickle
@@ -44,6 +45,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import torch
+from PIL import Image
 
 from obow.files import as_write_error, file_mode, sync_folder, writing
 from obow.notices import ObowWarning
@@ -159,6 +161,8 @@ def why_unreadable(path: Path, err: Exception) -> str:
     text = str(err)
     if path.stat().st_size == 0:
         return "the file is empty"
+    if kind := other_kind_of_file(path):
+        return f"it is not a file written by torch.save but {kind}"
     if isinstance(err, pickle.UnpicklingError):
         found = re.search(r"GLOBAL ([\w.]+)", text) or re.search(r"but got <class '([\w.]+)'>", text)
         what = f" ({found.group(1)})" if found else ""
@@ -172,6 +176,25 @@ def why_unreadable(path: Path, err: Exception) -> str:
         first = text.split(". ")[0].strip() if text else type(err).__name__
         return f"the file is damaged or cut short ({err.strerror if isinstance(err, OSError) else first})"
     return f"it is not a file written by torch.save ({type(err).__name__}: {text.splitlines()[0] if text else ''})"
+
+
+def other_kind_of_file(path: Path) -> str | None:
+    """What ``path`` is when it cannot be a ``torch.save`` file (a zip archive, or a pickle for the legacy format,
+    whole or cut short): an image PIL recognises, or text; ``None`` when it may be one, or is nothing known."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head.startswith(b"PK") or head.startswith(b"\x80"):
+        return None
+    try:
+        with Image.open(path) as image:
+            return f"a {image.format} image"
+    except Exception:  # noqa: BLE001 - PIL raises many types for what is not an image
+        pass
+    try:  # a character cut at the end of the head is no sign of a binary file
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return None
+    return "a text file" if b"\0" not in head else None
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

@@ -22,7 +22,9 @@ The torchvision and timm formats are written with ``torch.save``, or as safetens
 loads it). Detectron2 reads pickles only, so ``--format detectron2`` refuses a ``.safetensors`` name.
 
 Always, ``out_path + ".json"`` records what the file is: architecture, stem, network, source checkpoint,
-epoch, iteration, obow version, the evaluation view, and what ``fc`` holds. The metadata stays out of the
+epoch, iteration, obow version, the evaluation view, and what ``fc`` holds; for the torchvision and timm
+formats, ``usage`` holds Python lines that load the file into the library's model, give it obow's stem and
+compute obow's ``pool5`` features of a list of image files (:func:`usage_lines`). The metadata stays out of the
 ``state_dict`` so that torchvision loads the file as it is; a safetensors file also carries it in its header
 (``{"format": "pt", "obow": <the sidecar's JSON>}``), so that it describes itself without the sidecar.
 """
@@ -56,20 +58,24 @@ STEM_NOTES = {
     "cifar": (
         "CIFAR stem: conv1 is a 3x3 stride-1 convolution (padding 1) without max-pool; a torchvision model needs "
         "model.conv1 = torch.nn.Conv2d(3, 64, 3, 1, 1, bias=False) and model.maxpool = torch.nn.Identity() "
-        "before it can load these weights"
+        "before it can load these weights (the sidecar's usage lines do both)"
     ),
     "no_maxpool": (
         "no_maxpool stem: the network was trained without the 3x3 max-pool after conv1; the weights load into a "
-        "standard torchvision model, but set model.maxpool = torch.nn.Identity() to compute the same features"
+        "standard torchvision model, but set model.maxpool = torch.nn.Identity() to compute the same features "
+        "(the sidecar's usage lines do)"
     ),
 }
 TIMM_STEM_NOTES = {
     "cifar": (
         "CIFAR stem: the stem's first strided convolution was trained with stride 1 and without the stem's "
         "max-pool; the weights load as they are, but set that convolution's stride to 1 and the max-pool to "
-        "torch.nn.Identity() to compute the same features"
+        "torch.nn.Identity() to compute the same features (the sidecar's usage lines do both)"
     ),
-    "no_maxpool": "no_maxpool stem: set the stem's max-pool to torch.nn.Identity() to compute the same features",
+    "no_maxpool": (
+        "no_maxpool stem: set the stem's max-pool to torch.nn.Identity() to compute the same features "
+        "(the sidecar's usage lines do)"
+    ),
 }
 #: ``MODEL.RESNETS`` settings Detectron2 needs to build the same trunk as torchvision.
 _DETECTRON2_RESNETS = {
@@ -134,31 +140,18 @@ def export_backbone(
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
     }
     meta["container"] = "safetensors" if safetensors_path else "pickle" if fmt == "detectron2" else "torch.save"
-    read = "safetensors.torch.load_file(path)" if safetensors_path else "torch.load(path)"
     state: dict[str, Tensor] | None = None
     if source != "resnet":
         assert isinstance(backbone, (TimmBackbone, TorchvisionBackbone))  # a timm: or torchvision: arch
         state, untrained = library_state_dict(backbone)
-        name = backbone.arch.partition(":")[2]
-        kwargs = "".join(f", {k}={v!r}" for k, v in backbone.options.items())
         meta["arch_options"] = backbone.options
         meta["untrained_keys"] = untrained
-        if source == "timm" and safetensors_path:  # timm's own way to read a local file, strict as well
-            meta["usage"] = (
-                f"model = timm.create_model({name!r}, pretrained=True, pretrained_cfg_overlay=dict(file=path){kwargs})"
-            )
-        else:
-            loader = (
-                f"timm.create_model({name!r}{kwargs})"
-                if source == "timm"
-                else f"torchvision.models.get_model({name!r}{kwargs})"
-            )
-            meta["usage"] = f"model = {loader}; model.load_state_dict({read})"
+        meta["usage"] = usage_lines(backbone, out_path, info["views"])
     elif fmt == "torchvision":
         assert isinstance(backbone, ResNetBackbone)  # a plain resnet arch
         state = torchvision_state_dict(backbone)
         meta["fc"] = FC_NOTE
-        meta["usage"] = f"model = torchvision.models.{backbone.arch}(); model.load_state_dict({read})"
+        meta["usage"] = usage_lines(backbone, out_path, info["views"])
     else:
         meta["fc"] = "not exported (Detectron2 builds its own heads)"
         meta["detectron2_config"] = detectron2_config(backbone.arch, info["views"])
@@ -176,6 +169,86 @@ def export_backbone(
     with writing(f"{out_path}.json") as sidecar:
         sidecar.write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def usage_lines(backbone: torch.nn.Module, out_path: Path, views: dict[str, Any] | None) -> list[str]:
+    """The sidecar's ``usage``: Python lines that, run in order as they are (given ``files``, a list of image
+    paths), build the library's model, load the export into it strictly, give it obow's stem, and leave in
+    ``features`` what obow computes for those images: the global average of the last stage (``pool5``) in eval
+    mode, of the recipe's evaluation view (``Resize``, ``CenterCrop``, the recipe's mean and std, the same
+    torchvision transforms as :func:`obow.data.transforms.eval_transform`)."""
+    source, name = parse_arch(backbone.arch)
+    kwargs = "".join(f", {k}={v!r}" for k, v in getattr(backbone, "options", {}).items())
+    safetensors_path = out_path.suffix == SAFETENSORS_SUFFIX
+    read = "safetensors.torch.load_file(path)" if safetensors_path else "torch.load(path)"
+    library = "timm" if source == "timm" else "torchvision"
+    lines = [
+        f"import PIL.Image, PIL.ImageOps, torch, {library}" + (", safetensors.torch" if safetensors_path else ""),
+        "from torchvision.transforms import v2",
+        f"path = {str(out_path)!r}",
+    ]
+    if source == "resnet":
+        lines.append(f"model = torchvision.models.{name}()")
+        if backbone.stem == "cifar":
+            conv = backbone.conv1
+            lines.append(
+                f"model.conv1 = torch.nn.Conv2d({conv.in_channels}, {conv.out_channels}, 3, 1, 1, bias=False)"
+                "  # the cifar stem's conv1"
+            )
+        if backbone.stem != "torchvision":
+            lines.append(f"model.maxpool = torch.nn.Identity()  # the {backbone.stem} stem has no max-pool")
+        lines += [
+            f"model.load_state_dict({read})",
+            "model.fc = torch.nn.Identity()  # fc is untrained: the pooled last stage is the output",
+        ]
+        forward = "model(batch)"
+    elif source == "timm":
+        if safetensors_path:  # timm's own way to read a local file, strict as well
+            lines.append(
+                f"model = timm.create_model({name!r}, pretrained=True, pretrained_cfg_overlay=dict(file=path){kwargs})"
+            )
+        else:
+            lines += [f"model = timm.create_model({name!r}{kwargs})", f"model.load_state_dict({read})"]
+        edits = backbone.stem_edits
+        if edits.stride_one is not None:
+            lines.append(f"{_module_ref(edits.stride_one)}.stride = (1, 1)  # the cifar stem: stride 1")
+        for pool in edits.pools:
+            lines.append(f"{_set_module(pool, 'torch.nn.Identity()')}  # the {backbone.stem} stem has no max-pool")
+        forward = "model.forward_intermediates(batch, indices=1, intermediates_only=True)[0].mean((2, 3))"
+    else:
+        lines += [
+            "from torchvision.models.feature_extraction import create_feature_extractor",
+            f"model = torchvision.models.get_model({name!r}{kwargs})",
+            f"model.load_state_dict({read})",
+            f"model = create_feature_extractor(model, {{{backbone.stage_nodes[-1]!r}: 'conv5'}})",
+        ]
+        forward = "model(batch)['conv5'].mean((2, 3))"
+    lines.append("model.eval()")
+    if views is not None:
+        lines += [
+            f"preprocess = v2.Compose([v2.Resize({views['teacher_resize']}), v2.CenterCrop({views['teacher_size']}), "
+            f"v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize({list(views['mean'])}, "
+            f"{list(views['std'])})])",
+            "batch = torch.stack([preprocess(PIL.ImageOps.exif_transpose(PIL.Image.open(f)).convert('RGB')) "
+            "for f in files])  # files: your images",
+        ]
+    else:
+        lines.append("# batch: the images [N, 3, H, W], normalised as the network saw them in pretraining")
+    lines.append(f"with torch.no_grad(): features = {forward}  # obow's pool5 features, one row per image")
+    return lines
+
+
+def _module_ref(name: str) -> str:
+    """Python for the submodule ``name`` of ``model``."""
+    return f"model.{name}" if name.isidentifier() else f"model.get_submodule({name!r})"
+
+
+def _set_module(name: str, value: str) -> str:
+    """A Python statement that replaces the submodule ``name`` of ``model`` with ``value``."""
+    parent, _, child = name.rpartition(".")
+    if child.isidentifier():
+        return f"{_module_ref(parent) if parent else 'model'}.{child} = {value}"
+    return f"setattr({_module_ref(parent) if parent else 'model'}, {child!r}, {value})"
 
 
 def save_safetensors(state: dict[str, Tensor], path: str | Path, meta: dict[str, Any]) -> None:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from obow.config import Config
+from obow.notices import CPP_EXTENSION_LOGGER, NO_CUDA_RUNTIME
 from obow.training.run.logger import RunLogger, log_main
 from obow.training.run.state import Interrupted, SignalFlag
 
@@ -98,6 +99,7 @@ class CompileWatch:
         self.compile_seconds = 0.0
 
     def __enter__(self) -> CompileWatch:
+        logging.getLogger(CPP_EXTENSION_LOGGER).addFilter(NO_CUDA_RUNTIME)  # a CPU run's compile: nothing to act on
         if self.device.type == "cpu" and self.mode in ON_A_CPU:
             log_main(
                 "Compile: train.compile=%s on a CPU measured %s; off is the CPU default", self.mode, ON_A_CPU[self.mode]
@@ -109,6 +111,7 @@ class CompileWatch:
         return self
 
     def __exit__(self, kind: Any, err: BaseException | None, traceback: Any) -> None:
+        logging.getLogger(CPP_EXTENSION_LOGGER).removeFilter(NO_CUDA_RUNTIME)
         if self.callbacks is not None:
             self.callbacks.remove_start_callback(self._compile_started)
             self.callbacks.remove_end_callback(self._compile_ended)

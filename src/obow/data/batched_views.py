@@ -284,12 +284,13 @@ def gaussian_blur(x: Tensor, sigma: Tensor, max_sigma: float) -> Tensor:
     three passes of PIL's extended box (:func:`box_kernel`) along the rows, then three along the columns, the
     edges replicated before each pass (as PIL extends them), each pass one grouped convolution over all views.
     The variance is ``sigma ** 2`` at every sigma (PIL's too, but for its rounding to 8 bits after each pass,
-    which below sigma 0.11 leaves an edge unblurred). Shapes depend only on ``max_sigma`` (>= every ``sigma``),
-    so the blur reads nothing back to the host and can be captured in a CUDA graph."""
+    which below sigma 0.11 leaves even a black-to-white edge unblurred). Shapes depend only on ``max_sigma``
+    (>= every ``sigma``), so the blur reads nothing back to the host and can be captured in a CUDA graph."""
     n, c, h, w = x.shape
     # the largest box's radius + 1, with a margin for rounding (a tap too many weighs 0, one too few would be lost)
     reach = math.floor((math.sqrt(12 * max_sigma**2 / BLUR_PASSES + 1) - 1) / 2 + 1e-3) + 1
-    kernel = box_kernel(sigma.to(x.dtype), reach).repeat_interleave(c, dim=0)  # [n*c, 2*reach + 1]
+    exact = torch.promote_types(x.dtype, torch.float32)  # the boxes' radii from at least float32 arithmetic
+    kernel = box_kernel(sigma.to(exact), reach).to(x.dtype).repeat_interleave(c, dim=0)  # [n*c, 2*reach + 1]
     flat = x.reshape(1, n * c, h, w)
     for weight, pad in (
         (kernel.view(n * c, 1, 1, -1), (reach, reach, 0, 0)),

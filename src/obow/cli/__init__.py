@@ -5,7 +5,7 @@ obow pretrain --config imagenette_resnet18 --data DIR --out runs/x [key=value ..
 obow recipes [NAME]                              # list the built-in recipes, or print one
 obow eval knn|linear|fewshot|finetune --checkpoint runs/x/checkpoint.pt --data DIR
 obow export --checkpoint runs/x/checkpoint.pt --out backbone.pth --format torchvision
-obow show words|run|neighbours ...               # pictures of what a run learned
+obow show words|run|neighbours|views ...         # pictures of what a run learned, and of its views
 obow import-official FILE --out CKPT             # the authors' released weights as an obow checkpoint
 obow tables [run NAME --data DIR --minutes M]    # the paper's Tables 1-5 and MoCo v2 comparison, measured
 

@@ -4,6 +4,7 @@
         [--network teacher|student] [--words most-used|random|3,17,42] [--num-words 16]
     obow show run runs/x [runs/y ...] [--out runs/x/curves.png]
     obow show neighbours --checkpoint runs/x/checkpoint.pt --data DIR --out runs/x/neighbours.png [--queries 8]
+    obow show views --data DIR --config RECIPE --out DIR [--pipeline workers|device] [--images 8] [key=value ...]
 
 Building this parser imports nothing heavy; each command imports its module when it runs.
 """
@@ -15,13 +16,16 @@ import os
 
 from obow.cli.common import NETWORKS, device_from_name, positive_int
 
+#: ``--pipeline`` choices: :data:`obow.config.choices.PIPELINES` but ``auto`` (the default, the recipe's own).
+VIEW_PIPELINES = ("workers", "device")
+
 
 def add_show_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``obow show words|run|neighbours``."""
+    """Register ``obow show words|run|neighbours|views``."""
     parser = subparsers.add_parser(
         "show",
-        help="pictures of what a run learned: visual words, training curves, nearest neighbours",
-        description="Pictures of what a run learned.",
+        help="pictures of what a run learned (visual words, training curves, nearest neighbours) and of its views",
+        description="Pictures of what a run learned, and of the views a recipe makes of your images.",
     )
     kinds = parser.add_subparsers(title="pictures", dest="picture", metavar="PICTURE", required=True)
 
@@ -52,6 +56,19 @@ def add_show_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--tile", type=positive_int, default=64, help="image size in the grid, pixels (64)")
     _run_options(p, batch_size=256)
     p.set_defaults(func=run_neighbours)
+
+    p = kinds.add_parser(
+        "views", help="the teacher view, crops and patches a recipe makes of a folder's images (PNGs and overview)"
+    )
+    p.add_argument("--data", required=True, help="a folder of images (any tree)")
+    p.add_argument("--config", required=True, help="a built-in recipe name (see `obow recipes`) or a YAML file")
+    p.add_argument("--out", required=True, help="output folder (not inside --data): overview.png and a PNG per view")
+    p.add_argument(
+        "--pipeline", choices=VIEW_PIPELINES, help="who makes the views (default: the recipe's data.pipeline)"
+    )
+    p.add_argument("--images", type=positive_int, default=8, help="the first N images of the folder (8)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="changes to the recipe, e.g. train.seed=1")
+    p.set_defaults(func=run_views)
     return parser
 
 
@@ -122,4 +139,26 @@ def run_neighbours(args: argparse.Namespace) -> int:
     shares = ", ".join(f"{name} {100 * share:.1f}%" for name, share in result["same_class"].items())
     print(f"neighbours of the query's class: {shares}")
     print(f"wrote {result['path']}")
+    return 0
+
+
+def run_views(args: argparse.Namespace) -> int:
+    from obow.config import load_config
+    from obow.files import check_writable
+    from obow.notices import notices_held
+    from obow.show.views import show_views
+
+    overrides = [*args.overrides, f"data.path={args.data}"]
+    if args.pipeline is not None:
+        overrides.append(f"data.pipeline={args.pipeline}")
+    with notices_held():  # the recipe's warnings wait until the images are found
+        cfg = load_config(args.config, overrides)
+        check_writable(os.path.join(args.out, "overview.png"))  # before the work
+        result = show_views(cfg, args.out, images=args.images)
+    for i, path in enumerate(result["paths"]):
+        print(f"image{i:03d}: {path}")
+    print(
+        f"{result['pipeline']} pipeline on the {result['device']}: wrote {len(result['files'])} views of "
+        f"{len(result['paths'])} images to {args.out} and {result['overview']}"
+    )
     return 0

@@ -57,7 +57,7 @@ def make_views(cfg: Config, images: int, device: torch.device) -> tuple[str, lis
     W, 3], ...})``, rows in the folder's order."""
     from obow.data.folders import scan_images
     from obow.training.build import build_data
-    from obow.training.settle import resolve_pipeline
+    from obow.training.run.settle import resolve_pipeline
 
     pipeline = resolve_pipeline(cfg.data.pipeline, device)
     found = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)

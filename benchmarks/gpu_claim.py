@@ -373,12 +373,12 @@ def prepare_images(call: Call, data: Data, recipe: str) -> float:
     from obow.data.cache import build_cache
     from obow.data.eval_sets import eval_dataset
     from obow.data.folders import scan_images
-    from obow.methods import views_side
+    from obow.methods import cache_side
 
     cfg = load_config(recipe)
     start = time.perf_counter()
     train = scan_images(data.train, "folders")
-    cache = build_cache(train, views_side(cfg.views), cfg.data.cache_size, cfg.data.cache_dir)
+    cache = build_cache(train, cache_side(cfg), cfg.data.cache_size, cfg.data.cache_dir)
     built = time.perf_counter() - start
     call.say(f"image cache: {cache.describe()} ({built:.1f} s)")
     test = scan_images(data.test, "folders")

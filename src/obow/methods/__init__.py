@@ -80,13 +80,14 @@ def build_views(cfg: Config) -> Callable[[Any], dict]:
 
 
 def views_side(views: ViewsConfig) -> int:
-    """The largest image the views are made from before cropping (the device pipeline's default cache size)."""
+    """The largest image the views are made from before cropping (the square images the render benchmarks use;
+    the device pipeline's cache side is :func:`cache_side`)."""
     return max(views.teacher_resize, views.patch_grid_size, views.teacher_size)
 
 
 def used_side(views: ViewsConfig) -> int:
     """The largest image the views are actually made from: the teacher's resize, and the patch grid only when there
-    are patches (:func:`views_side` counts the grid's size even without them: the cache's size, kept as it was).
+    are patches (:func:`views_side` counts the grid's size even without them).
     Under a quarter of it, an image is tiny (:func:`obow.data.folders.tiny_below`)."""
     return max(views.teacher_resize, views.teacher_size, views.patch_grid_size if views.num_patches else 0)
 

@@ -155,7 +155,7 @@ class ImageCache:
         notes = f"; {self.resized} resized" if self.resized else ""
         notes += f"; {len(self.tiny)} tiny images upscaled" if self.tiny else ""
         return (
-            f"{len(self.images)} whole images decoded at {size} ({rule}), {self.nbytes / 2**20:.0f} MiB on disk, "
+            f"{len(self.images)} images decoded whole at {size} ({rule}), {self.nbytes / 2**20:.0f} MiB on disk, "
             f"{held}, from {self.file}{notes}"
         )
 

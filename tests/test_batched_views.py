@@ -54,39 +54,59 @@ def batch_of(img: np.ndarray, n: int) -> torch.Tensor:
     return torch.from_numpy(img).permute(2, 0, 1).unsqueeze(0).expand(n, -1, -1, -1).contiguous()
 
 
-def torchvision_boxes(n: int, side: int, scale, seed: int) -> np.ndarray:
-    """``n`` boxes (top, left, height, width) from torchvision's own ``RandomResizedCrop.get_params``."""
+def torchvision_boxes(n: int, size: tuple[int, int], scale, seed: int) -> np.ndarray:
+    """``n`` boxes (top, left, height, width) from torchvision's own ``RandomResizedCrop.get_params`` on an image of
+    ``size`` (height, width)."""
     torch.manual_seed(seed)
-    img = torch.zeros(3, side, side)
+    img = torch.zeros(3, *size)
     return np.array([T.RandomResizedCrop.get_params(img, list(scale), [3 / 4, 4 / 3]) for _ in range(n)])
 
 
-@pytest.mark.parametrize(("side", "scale"), [(32, (0.08, 0.6)), (32, (0.6, 1.0)), (9, (0.08, 1.0))])
-def test_crop_boxes_follow_torchvision_in_distribution(side, scale):
+def our_boxes(n: int, size: tuple[int, int], scale, seed: int, **kwargs) -> np.ndarray:
+    sizes = torch.tensor([size]).expand(n, 2)
+    return random_resized_boxes(sizes, scale, torch.Generator().manual_seed(seed), **kwargs).numpy()
+
+
+@pytest.mark.parametrize(
+    ("size", "scale"),
+    [((32, 32), (0.08, 0.6)), ((32, 32), (0.6, 1.0)), ((9, 9), (0.08, 1.0)), ((375, 500), (0.08, 0.6)),
+     ((500, 375), (0.6, 1.0)), ((12, 20), (0.6, 1.0))],
+)  # fmt: skip
+def test_crop_boxes_follow_torchvision_in_distribution(size, scale):
+    """On squares and on landscape and portrait images, the boxes of torchvision's own sampler and ours agree."""
     n = 4000
-    ours = random_resized_boxes(n, side, scale, torch.Generator().manual_seed(1)).numpy()
-    theirs = torchvision_boxes(n, side, scale, seed=2)
+    height, width = size
+    ours = our_boxes(n, size, scale, seed=1)
+    theirs = torchvision_boxes(n, size, scale, seed=2)
     for boxes in (ours, theirs):
         top, left, h, w = boxes.T
-        assert (h >= 1).all() and (w >= 1).all() and (top + h <= side).all() and (left + w <= side).all()
+        assert (h >= 1).all() and (w >= 1).all() and (top + h <= height).all() and (left + w <= width).all()
     for name, f in {
-        "area fraction": lambda b: b[:, 2] * b[:, 3] / side**2,
+        "area fraction": lambda b: b[:, 2] * b[:, 3] / (height * width),
         "log aspect ratio": lambda b: np.log(b[:, 3] / b[:, 2]),
-        "top, relative": lambda b: (b[:, 0] + 0.5) / (side - b[:, 2] + 1),
-        "left, relative": lambda b: (b[:, 1] + 0.5) / (side - b[:, 3] + 1),
+        "top, relative": lambda b: (b[:, 0] + 0.5) / (height - b[:, 2] + 1),
+        "left, relative": lambda b: (b[:, 1] + 0.5) / (width - b[:, 3] + 1),
     }.items():
         assert stats.ks_2samp(f(ours), f(theirs)).pvalue > ALPHA, name
     # the fallback to the whole image (none of the ten tries fits) is as frequent
-    whole = [np.mean((b[:, 2] == side) & (b[:, 3] == side)) for b in (ours, theirs)]
+    whole = [np.mean((b[:, 2] == height) & (b[:, 3] == width)) for b in (ours, theirs)]
     table = [[w * n, (1 - w) * n] for w in whole]
     assert whole[0] == whole[1] == 0 or stats.chi2_contingency(np.array(table) + 0.5).pvalue > ALPHA
+
+
+@pytest.mark.parametrize(("size", "box"), [((6, 30), (0, 11, 6, 8)), ((30, 6), (11, 0, 8, 6))])
+def test_images_too_long_for_the_aspect_ratios_fall_back_to_torchvisions_central_box(size, box):
+    """No try fits a 6x30 strip at scale 0.6-1 (a box of aspect ratio at most 4/3 and 108 px is over 6 px high):
+    torchvision's fallback, the central box of the nearest ratio, worked by hand; its sampler and ours give it."""
+    assert {tuple(b) for b in torchvision_boxes(50, size, (0.6, 1.0), seed=0).tolist()} == {box}
+    assert {tuple(b) for b in our_boxes(50, size, (0.6, 1.0), seed=0).tolist()} == {box}
 
 
 def test_a_wrong_aspect_ratio_rule_is_caught():
     """The test above can fail: boxes with a uniform (not log-uniform) aspect ratio in [1/2, 2] differ."""
     n, side, scale = 4000, 32, (0.08, 0.6)
-    theirs = torchvision_boxes(n, side, scale, seed=2)
-    wrong = random_resized_boxes(n, side, scale, torch.Generator().manual_seed(1), ratio=(1 / 2, 2)).numpy()
+    theirs = torchvision_boxes(n, (side, side), scale, seed=2)
+    wrong = our_boxes(n, (side, side), scale, seed=1, ratio=(1 / 2, 2))
     assert stats.ks_2samp(np.log(wrong[:, 3] / wrong[:, 2]), np.log(theirs[:, 3] / theirs[:, 2])).pvalue < ALPHA
 
 

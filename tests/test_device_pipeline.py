@@ -5,8 +5,10 @@ resumes to the weights of an uninterrupted one."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import signal
 
 import numpy as np
@@ -46,34 +48,32 @@ def small_cache_and_views(tmp_path, n: int):
 def test_the_cache_holds_the_decoded_pixels_and_is_read_back_without_decoding(tmp_path, monkeypatch):
     pixels = write_squares(tmp_path / "data" / "a", 6)
     images = scan_images(str(tmp_path / "data"), labels="folders")
-    cache = build_cache(images, views_side=24, cache_dir=tmp_path / "cache")
-    assert cache.side == 12 and cache.pixels.shape == (6, 3, 12, 12) and cache.where == "memory"
+    cache = build_cache(images, 24, cache_dir=tmp_path / "cache")
+    assert cache.uniform == (12, 12) and cache.pixels.shape == (6 * 3 * 12 * 12,) and cache.where == "memory"
     for i, p in enumerate(pixels):
-        np.testing.assert_array_equal(cache.pixels[i], p.transpose(2, 0, 1))
+        np.testing.assert_array_equal(cache.batch(torch.tensor([i]))[0].numpy(), p.transpose(2, 0, 1))
     assert cache.nbytes == 6 * 3 * 12 * 12 and f"{cache.file}" in cache.describe()
 
-    def no_decoding(path, side):
+    def no_decoding(*args):
         raise AssertionError("decoded again")
 
     monkeypatch.setattr(cache_module, "_decode", no_decoding)
     monkeypatch.setattr(cache_module, "sizes_summary", no_decoding)  # nor the headers read again
-    again = build_cache(images, views_side=24, cache_dir=tmp_path / "cache")
+    again = build_cache(images, 24, cache_dir=tmp_path / "cache")
     np.testing.assert_array_equal(again.pixels, cache.pixels)
 
 
 def test_a_changed_file_rebuilds_the_cache_and_the_stale_one_is_removed(tmp_path):
     write_squares(tmp_path / "data" / "a", 4)
     images = scan_images(str(tmp_path / "data"), labels="folders")
-    first = build_cache(images, views_side=24, cache_dir=tmp_path / "cache")
+    first = build_cache(images, 24, cache_dir=tmp_path / "cache")
     changed = np.full((12, 12, 3), 7, dtype=np.uint8)
     path = tmp_path / "data" / "a" / "02.png"
     Image.fromarray(changed).save(path)
     os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))  # a later modification
-    second = build_cache(
-        scan_images(str(tmp_path / "data"), labels="folders"), views_side=24, cache_dir=tmp_path / "cache"
-    )
+    second = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=tmp_path / "cache")
     assert second.file != first.file and not first.file.exists()
-    np.testing.assert_array_equal(second.pixels[2], changed.transpose(2, 0, 1))
+    np.testing.assert_array_equal(second.batch(torch.tensor([2]))[0].numpy(), changed.transpose(2, 0, 1))
     assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".json", ".u8"]  # one cache, no partials
 
 
@@ -102,17 +102,69 @@ def test_a_cache_folder_that_cannot_be_written_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(err.value)
 
 
-def test_non_square_and_mixed_images_are_cut_to_their_central_square_at_the_views_side(tmp_path):
+def test_images_of_other_shapes_are_kept_whole_and_a_batch_is_padded_with_their_edges(tmp_path):
+    """A wide, a tall and a square image at their own sizes (none above the side), whole; one larger reduced to
+    the side on its shorter side; a batch of them padded to its largest height and width by repeating each
+    image's last row and column."""
     folder = tmp_path / "data" / "a"
     folder.mkdir(parents=True)
-    wide = np.zeros((10, 30, 3), dtype=np.uint8)
-    wide[:, 10:20] = 200  # the central square is bright, the edges dark
-    Image.fromarray(wide).save(folder / "wide.png")
-    Image.fromarray(np.full((16, 16, 3), 50, dtype=np.uint8)).save(folder / "square.png")
-    cache = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), views_side=20, cache_dir=tmp_path / "c")
-    assert cache.side == 20 and cache.not_square == 1 and "1 non-square images cut" in cache.describe()
-    wide_index = [os.path.basename(p) for p in cache.images.paths].index("wide.png")
-    assert cache.pixels[wide_index].min() >= 190  # nothing of the dark edges
+    rng = np.random.default_rng(0)
+    own = {"wide": (10, 30), "tall": (25, 8), "square": (16, 16), "large": (40, 60)}
+    written = {name: rng.integers(0, 256, (*size, 3), dtype=np.uint8) for name, size in own.items()}
+    for name, pixels in written.items():
+        Image.fromarray(pixels).save(folder / f"{name}.png")
+    cache = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 20, cache_dir=tmp_path / "c")
+    names = [os.path.basename(p)[:-4] for p in cache.images.paths]
+    sizes = {name: tuple(cache.sizes[i]) for i, name in enumerate(names)}
+    assert sizes == {"wide": (10, 30), "tall": (25, 8), "square": (16, 16), "large": (20, 30)}
+    assert cache.uniform is None and cache.resized == 1 and cache.nbytes == 3 * (300 + 200 + 256 + 600)
+    assert "1 resized" in cache.describe() and "none above 20 px" in cache.describe()
+    batch = cache.batch(torch.arange(len(names))).numpy()
+    assert batch.shape == (4, 3, 25, 30)
+    for i, name in enumerate(names):
+        h, w = sizes[name]
+        image = batch[i, :, :h, :w]
+        if name != "large":
+            np.testing.assert_array_equal(image, written[name].transpose(2, 0, 1))
+        edge_rows = np.broadcast_to(image[:, -1:, :], (3, 25 - h, w))
+        np.testing.assert_array_equal(batch[i, :, h:, :w], edge_rows)
+        np.testing.assert_array_equal(batch[i, :, :, w:], np.broadcast_to(batch[i, :, :, w - 1 : w], (3, 25, 30 - w)))
+    large = np.asarray(Image.fromarray(written["large"]).resize((30, 20), Image.BILINEAR, reducing_gap=None))
+    np.testing.assert_array_equal(batch[names.index("large"), :, :20, :30], large.transpose(2, 0, 1))
+    # the same batch from a copy of the pixels on a "device" (the loader's resident copy) and from the file
+    resident = cache.batch(torch.tensor([2, 0]), torch.from_numpy(cache.pixels))
+    assert torch.equal(resident, cache.batch(torch.tensor([2, 0])))
+    exact = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 20, 12, cache_dir=tmp_path / "c")
+    assert (
+        sorted(min(s) for s in exact.sizes.tolist()) == [12] * 4 and "made 12 px (data.cache_size)" in exact.describe()
+    )
+
+
+def test_a_cache_of_an_older_format_is_rebuilt_in_one_line(tmp_path, caplog):
+    write_squares(tmp_path / "data" / "a", 3)
+    images = scan_images(str(tmp_path / "data"), labels="folders")
+    first = build_cache(images, 24, cache_dir=tmp_path / "cache")
+    meta = first.file.with_suffix(".json")
+    old = json.loads(meta.read_text())
+    old["version"] = 2  # as main wrote it before whole images: [N, 3, S, S] squares
+    renamed = meta.with_name(meta.name.replace(cache_module.contents_key(images), "0" * 20))
+    renamed.write_text(json.dumps(old))
+    first.file.rename(renamed.with_suffix(".u8"))
+    meta.unlink()
+    with caplog.at_level(logging.INFO, logger="obow"):
+        again = build_cache(images, 24, cache_dir=tmp_path / "cache")
+    lines = [r.getMessage() for r in caplog.records if "older format" in r.getMessage()]
+    assert len(lines) == 1 and "version 2" in lines[0] and "rebuilt" in lines[0]
+    assert not renamed.exists() and not renamed.with_suffix(".u8").exists() and again.file.exists()
+
+
+def test_a_cache_larger_than_the_free_space_is_refused_in_one_line(tmp_path, monkeypatch):
+    write_squares(tmp_path / "data" / "a", 2)
+    usage = shutil.disk_usage(tmp_path)._replace(free=100)
+    monkeypatch.setattr(cache_module.shutil, "disk_usage", lambda path: usage)
+    with pytest.raises(ValueError, match="would take 0.0 GiB, more than the 0.0 GiB free in .*data.pipeline=workers"):
+        build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*.u8*"))
 
 
 def test_a_cache_too_big_for_memory_is_memory_mapped(tmp_path, monkeypatch):
@@ -120,6 +172,10 @@ def test_a_cache_too_big_for_memory_is_memory_mapped(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_module, "available_memory", lambda: 100)  # less than twice the 1,728 bytes
     cache = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=tmp_path / "cache")
     assert cache.where == "memory-mapped" and isinstance(cache.pixels, np.memmap)
+    assert torch.equal(
+        cache.batch(torch.tensor([3, 1])),
+        torch.from_numpy(np.fromfile(cache.file, np.uint8)).view(4, 3, 12, 12)[[3, 1]],
+    )
     assert "memory-mapped" in cache.describe()
 
 
@@ -242,7 +298,8 @@ def test_a_device_pipeline_run_trains_checkpoints_and_resumes_to_the_uninterrupt
         whole = pretrain(cfg, tmp_path / "whole")
     header = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Data:")]
     assert header[0] == f"Data: decoding 12 images of {data} into the image cache in {tmp_path / 'cache'}"
-    assert header[1].startswith("Data: views made on the cpu from 12 images decoded to 20 px squares, 0 MiB in memory")
+    assert header[1].startswith("Data: views made on the cpu from 12 images decoded whole at 20x20 px (none enlarged")
+    assert "0 MiB on disk, held in memory" in header[1]
     assert whole["iteration"] == 6
 
     original = DeviceLoader.__iter__
@@ -384,7 +441,7 @@ def test_a_folders_subsets_keep_their_caches_and_the_least_recently_used_goes(tm
     caches = {n: build_cache(scan_images(folder, "folders", n), 24, cache_dir=tmp_path / "c") for n in (2, 3, 4)}
     assert all(c.file.exists() for c in caches.values())
 
-    def no_decoding(path, side):
+    def no_decoding(*args):
         raise AssertionError("decoded again")
 
     with monkeypatch.context() as m:

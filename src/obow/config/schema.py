@@ -269,8 +269,9 @@ class DataConfig:
     view of a batch made at once on the training device: :mod:`obow.data.batched_views`), or ``auto``: ``device``
     when training on a GPU, ``workers`` on a CPU (why: docs/gpu.md), settled when a run starts and recorded in
     its ``config.yaml`` (:func:`obow.training.run.settle.settle_pipeline`).
-    ``cache_dir`` (default ``~/.cache/obow``) and ``cache_size`` (the cached square's side; default: the images'
-    own when all are squares of one size) configure the device pipeline's cache (:mod:`obow.data.cache`).
+    ``cache_dir`` (default ``~/.cache/obow``) and ``cache_size`` (the shorter side every whole image is cached at;
+    default: its own, up to the side where none of the recipe's views is upsampled) configure the device
+    pipeline's cache (:mod:`obow.data.cache`).
     """
 
     path: str | None = None

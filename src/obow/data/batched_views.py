@@ -1,23 +1,32 @@
 """The teacher's view and the student's crops and patches of a whole batch at once, on the training device.
 
 The same views as :mod:`obow.data.transforms` (paper appendix, official notes 2.11), made from a batch of
-decoded ``uint8`` images ``[B, 3, S, S]`` (an :class:`obow.data.cache.ImageCache`) instead of one PIL image at a
-time in a loader worker: every image still gets its own random parameters (crop box, flip, colour jitter and
-its order, grayscale, blur radius, patch cells and jitter), but all the pixel work of a batch is a handful of
-batched kernels (one ``roi_align`` per view group for every resized crop, elementwise colour maths, one grouped
-convolution for the blur). ``data.pipeline: device`` uses it (:class:`obow.data.device_loader.DeviceLoader`).
+decoded ``uint8`` images ``[B, 3, H, W]`` (an :class:`obow.data.cache.ImageCache`, each image whole at its own
+size, the batch padded with each image's edge) instead of one PIL image at a time in a loader worker: every image
+still gets its own random parameters (crop box, flip, colour jitter and its order, grayscale, blur radius, patch
+cells and jitter), but all the pixel work of a batch is a handful of batched kernels (one ``roi_align`` per view
+group for every resized crop, elementwise colour maths, one grouped convolution for the blur).
+``data.pipeline: device`` uses it (:class:`obow.data.device_loader.DeviceLoader`).
 
 The random parameters are drawn on the CPU from a ``torch.Generator`` the caller seeds (per global batch), so
 the views depend only on that seed and the images, whichever device computes them: a resumed run makes the
 views an uninterrupted one made, and a run on several GPUs the views of one GPU.
 
-Equal in distribution to the worker pipeline, not bit for bit: the crop boxes follow torchvision's
-``RandomResizedCrop`` sampling exactly (integer boxes, ten tries, the same fallback); the resampling is
-``roi_align``'s bilinear sampling averaged over ``ceil(box / out)`` points per output pixel (an area filter
-when shrinking) where PIL uses its own antialiased bilinear filter; colour maths runs on floats where PIL rounds
-to 8 bits after each operation; the blur is PIL's own (three extended box blurs along each axis, of variance
-sigma squared at every sigma) in floats, within the 3 levels of 255 that PIL's rounding adds.
-``tests/test_batched_views.py`` compares the two pipelines' distributions.
+Where the views fall is the worker pipeline's, on every image shape: the boxes of the teacher's view (its
+``Resize`` + ``CenterCrop``), of the crops and of the patch view follow torchvision's rules on each image's own
+height and width (``RandomResizedCrop``: integer boxes, ten tries, the same fallback), and the cache keeps every
+image whole, at its own size up to the side where no view is upsampled (:func:`obow.data.cache.sharp_side`). On
+500x375 and 375x500 images with the paper's views, every measure of ``benchmarks/views_distribution.py`` (box
+area, aspect, centre, reach outside the central square, upsampled share, area outside the teacher's view; flip
+and grey rates) agreed with the worker pipeline's by two-sample tests over 1,500 images
+(docs/results/views_distribution.json; ``tests/test_device_views_distribution.py``). Where the pixels still
+differ, measured there: colour maths runs on floats where PIL rounds down to 8 bits after each operation, so a
+view through all four jitter operations is 1.0 % brighter on average than the worker's (0.4 % for one operation;
+1.5 levels of 255 per pixel on average); the resampling is ``roi_align``'s bilinear sampling averaged over
+``ceil(box / out)`` points per output pixel (an area filter when shrinking) where PIL uses its own antialiased
+bilinear filter; the blur is PIL's own (three extended box blurs along each axis, of variance sigma squared
+at every sigma) in floats, within the 3 levels of 255 that PIL's rounding adds. On square images of one size (CIFAR-10) the draws and the
+views are those of the square cache before, bit for bit.
 """
 
 from __future__ import annotations
@@ -51,41 +60,87 @@ LUMA = (0.299, 0.587, 0.114)
 # random parameters (CPU, one generator)
 
 
-def random_resized_boxes(
-    n: int, side: int, scale: Sequence[float], generator: torch.Generator, ratio: Sequence[float] = CROP_RATIO
-) -> Tensor:
-    """torchvision's ``RandomResizedCrop.get_params`` for ``n`` square images of ``side`` pixels, all at once.
+@dataclass
+class BoxDraws:
+    """The random numbers of torchvision's ``RandomResizedCrop.get_params`` for views ``[*]``, drawn before the
+    images' sizes are known (:func:`draw_boxes`): each try's area share and aspect ratio ``[*, CROP_TRIES]`` and
+    the corner's two uniforms ``[*, 2]`` (float64); :func:`place_boxes` makes them boxes on images of given
+    sizes."""
 
-    For each image: up to :data:`CROP_TRIES` draws of an area fraction uniform in ``scale`` and a log-uniform
-    aspect ratio in ``ratio``; the first whose rounded width and height fit is kept, with its top-left corner
-    uniform over the integer positions; when none fits, torchvision's fallback, which for a square image is the
-    whole image. Returns integer boxes ``[n, 4]`` as ``(top, left, height, width)`` (int64).
-    """
-    area = float(side * side)
-    target = area * torch.empty(n, CROP_TRIES, dtype=torch.float64).uniform_(scale[0], scale[1], generator=generator)
+    share: Tensor
+    aspect: Tensor
+    corner: Tensor
+
+    def __getitem__(self, rows: slice) -> BoxDraws:
+        return BoxDraws(self.share[rows], self.aspect[rows], self.corner[rows])
+
+    def to(self, device: torch.device, non_blocking: bool = True) -> BoxDraws:
+        return BoxDraws(*(t.to(device, non_blocking=non_blocking) for t in (self.share, self.aspect, self.corner)))
+
+
+def draw_boxes(
+    shape: tuple[int, ...], scale: Sequence[float], generator: torch.Generator, ratio: Sequence[float] = CROP_RATIO
+) -> BoxDraws:
+    """For views ``shape``: up to :data:`CROP_TRIES` area shares uniform in ``scale`` and log-uniform aspect ratios
+    in ``ratio``, and two uniforms for the corner, in this order from ``generator``."""
+    share = torch.empty(*shape, CROP_TRIES, dtype=torch.float64).uniform_(scale[0], scale[1], generator=generator)
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    aspect = torch.exp(torch.empty(n, CROP_TRIES, dtype=torch.float64).uniform_(log_lo, log_hi, generator=generator))
-    w = torch.round(torch.sqrt(target * aspect))
-    h = torch.round(torch.sqrt(target / aspect))
-    fits = (w > 0) & (w <= side) & (h > 0) & (h <= side)
-    first = torch.argmax(fits.to(torch.int8), dim=1)  # the first try that fits (0 when none does)
-    rows = torch.arange(n)
-    h, w = h[rows, first], w[rows, first]
-    u = torch.rand(n, 2, dtype=torch.float64, generator=generator)
-    top = torch.floor(u[:, 0] * (side - h + 1))
-    left = torch.floor(u[:, 1] * (side - w + 1))
-    boxes = torch.stack([top, left, h, w], dim=1)
-    whole = torch.tensor([0.0, 0.0, side, side], dtype=torch.float64)
-    return torch.where(fits.any(dim=1, keepdim=True), boxes, whole).to(torch.int64)
+    log_aspect = torch.empty(*shape, CROP_TRIES, dtype=torch.float64).uniform_(log_lo, log_hi, generator=generator)
+    corner = torch.rand(*shape, 2, dtype=torch.float64, generator=generator)
+    return BoxDraws(share, torch.exp(log_aspect), corner)
 
 
-def teacher_box(side: int, resize: int, size: int) -> Tensor:
-    """The teacher's ``Resize(resize)`` + ``CenterCrop(size)`` of a square image of ``side`` pixels as a box in its
-    own pixels ``[4]`` (top, left, height, width): the crop starts ``round((resize - size) / 2)`` pixels into the
-    resized image (torchvision's CenterCrop), i.e. that many times ``side / resize`` source pixels."""
-    ratio = side / resize
-    start, extent = round((resize - size) / 2.0) * ratio, size * ratio
-    return torch.tensor([start, start, extent, extent], dtype=torch.float64)
+def place_boxes(draws: BoxDraws, sizes: Tensor, ratio: Sequence[float] = CROP_RATIO) -> Tensor:
+    """torchvision's ``RandomResizedCrop.get_params`` for images of ``sizes`` ``[*, 2]`` (height, width), all at once,
+    from ``draws`` ``[*]``: the first try whose rounded width and height fit the image is kept, its top-left corner
+    uniform over the integer positions; when none fits, torchvision's fallback: the whole image, or, when its own
+    aspect ratio is outside ``ratio``, the largest central box of the nearest ratio in it. Returns integer boxes
+    ``[*, 4]`` as ``(top, left, height, width)`` in each image's pixels (int64)."""
+    sizes = sizes.to(torch.float64)
+    height, width = sizes[..., 0:1], sizes[..., 1:2]
+    target = draws.share * (height * width)
+    w = torch.round(torch.sqrt(target * draws.aspect))
+    h = torch.round(torch.sqrt(target / draws.aspect))
+    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+    first = torch.argmax(fits.to(torch.int8), dim=-1, keepdim=True)  # the first try that fits (0 when none does)
+    h, w = h.gather(-1, first)[..., 0], w.gather(-1, first)[..., 0]
+    height, width = height[..., 0], width[..., 0]
+    top = torch.floor(draws.corner[..., 0] * (height - h + 1))
+    left = torch.floor(draws.corner[..., 1] * (width - w + 1))
+    boxes = torch.stack([top, left, h, w], dim=-1)
+    in_ratio = width / height
+    fallback_w = torch.where(in_ratio > ratio[1], torch.round(height * ratio[1]), width)
+    fallback_h = torch.where(in_ratio < ratio[0], torch.round(width / ratio[0]), height)
+    centred = [
+        torch.div(height - fallback_h, 2, rounding_mode="floor"),
+        torch.div(width - fallback_w, 2, rounding_mode="floor"),
+    ]
+    fallback = torch.stack([*centred, fallback_h, fallback_w], dim=-1)
+    return torch.where(fits.any(dim=-1, keepdim=True), boxes, fallback).to(torch.int64)
+
+
+def random_resized_boxes(
+    sizes: Tensor, scale: Sequence[float], generator: torch.Generator, ratio: Sequence[float] = CROP_RATIO
+) -> Tensor:
+    """:func:`place_boxes` of fresh :func:`draw_boxes`: one torchvision ``RandomResizedCrop`` box ``[n, 4]`` per
+    image of ``sizes`` ``[n, 2]``."""
+    return place_boxes(draw_boxes((len(sizes),), scale, generator, ratio), sizes, ratio)
+
+
+def teacher_boxes(sizes: Tensor, resize: int, size: int) -> Tensor:
+    """The teacher's ``Resize(resize)`` + ``CenterCrop(size)`` (torchvision's) of images of ``sizes`` ``[n, 2]``
+    (height, width) as boxes in their own pixels ``[n, 4]`` (top, left, height, width; float64): the shorter side
+    resized to ``resize``, the longer to ``int(resize * longer / shorter)``; the crop starts
+    ``round((resized - size) / 2)`` pixels into each resized side, i.e. that many times ``side / resized``
+    source pixels."""
+    sizes = sizes.to(torch.float64)
+    height, width = sizes.unbind(-1)
+    narrow = width <= height  # torchvision takes the width for the shorter side then
+    resized_w = torch.where(narrow, torch.full_like(width, resize), torch.floor(resize * width / height))
+    resized_h = torch.where(narrow, torch.floor(resize * height / width), torch.full_like(height, resize))
+    top = torch.round((resized_h - size) / 2.0) * height / resized_h
+    left = torch.round((resized_w - size) / 2.0) * width / resized_w
+    return torch.stack([top, left, size * height / resized_h, size * width / resized_w], dim=-1)
 
 
 @dataclass
@@ -360,30 +415,36 @@ def cut_patches(view: Tensor, keep: Tensor, offsets: Tensor, patch_size: int, ji
 
 @dataclass
 class GroupParams:
-    """The random parameters of ``m`` student views of each of ``B`` images: crop boxes ``[B, m, 4]`` (top, left,
-    height, width) and their photometric parameters ``[B, m, ...]``."""
+    """The random parameters of ``m`` student views of each of ``B`` images: the draws of their crop boxes
+    ``[B, m]`` (:class:`BoxDraws`), the boxes themselves ``[B, m, 4]`` (top, left, height, width in each image's
+    pixels) once placed on the images' sizes (:meth:`BatchedViews.place`; ``None`` before), and their photometric
+    parameters ``[B, m, ...]``."""
 
-    boxes: Tensor
+    draws: BoxDraws
+    boxes: Tensor | None
     photo: PhotometricParams
 
     def __getitem__(self, rows: slice) -> GroupParams:
-        return GroupParams(self.boxes[rows], self.photo[rows])
+        return GroupParams(self.draws[rows], None if self.boxes is None else self.boxes[rows], self.photo[rows])
 
     def to(self, device: torch.device, non_blocking: bool = True) -> GroupParams:
-        return GroupParams(self.boxes.to(device, non_blocking=non_blocking), self.photo.to(device, non_blocking))
+        boxes = None if self.boxes is None else self.boxes.to(device, non_blocking=non_blocking)
+        return GroupParams(self.draws.to(device, non_blocking), boxes, self.photo.to(device, non_blocking))
 
 
 @dataclass
 class ViewParams:
     """Every random parameter of a batch's views (CPU tensors, first dimension the image), drawn by
     :meth:`BatchedViews.draw`; ``params[a:b]`` is the parameters of images ``a..b-1`` (a process's share of a
-    global batch)."""
+    global batch). The draws do not depend on the images; the boxes (``teacher_box`` ``[B, 4]`` and each group's)
+    are placed on the images' sizes by :meth:`BatchedViews.place` before the render."""
 
     teacher_flip: Tensor | None  # [B] bool; None for MoCo v2's views, whose key view is a student-like crop
     crops: GroupParams | None
     grid: GroupParams | None  # the patch view (one per image), whose grid of patches is cut as below
     patch_keep: Tensor | None  # [B, P]: kept cells of the 3x3 grid
     patch_offsets: Tensor | None  # [B, P, 2]: their jitter
+    teacher_box: Tensor | None = None  # [B, 4]: the teacher's resize and centre crop in each image's pixels
 
     def __getitem__(self, rows: slice) -> ViewParams:
         return ViewParams(*(None if v is None else v[rows] for v in vars(self).values()))
@@ -395,43 +456,68 @@ class ViewParams:
 
 
 class BatchedViews:
-    """All views of a batch of decoded square images of ``side`` pixels, as :class:`obow.data.transforms.OBoWViews`
-    makes them one image at a time (``mocov2=True``: as :class:`~obow.data.transforms.MoCoV2Views`, a key and a
-    query view of ``views.teacher_size``, random-resized crops of scale ``moco_crop_scale`` with blur).
+    """All views of a batch of decoded images, as :class:`obow.data.transforms.OBoWViews` makes them one image at a
+    time (``mocov2=True``: as :class:`~obow.data.transforms.MoCoV2Views`, a key and a query view of
+    ``views.teacher_size``, random-resized crops of scale ``moco_crop_scale`` with blur).
 
-    Two steps: :meth:`draw` draws every random parameter of ``B`` images from a seeded CPU ``generator``;
-    :meth:`render` makes the views of images ``[B, 3, side, side]`` (uint8, any device) with them, in the
-    collated form the worker pipeline gives: ``{"teacher": [B, 3, T, T], "crops": [B, n, 3, c, c], "patches":
-    [B, P, 3, p, p]}`` (normalised float32, on the images' device).
+    Three steps: :meth:`draw` draws every random parameter of ``B`` images from a seeded CPU ``generator`` (the
+    same numbers whatever the images); :meth:`place` makes the boxes of the teacher's view, the crops and the
+    patch view on each image's own height and width (torchvision's rules), so that a crop may reach anywhere in
+    its image; :meth:`render` makes the views of images ``[B, 3, H, W]`` (uint8, any device; each image at the
+    top left, padded as :meth:`obow.data.cache.ImageCache.batch` pads) with them, in the collated form the worker
+    pipeline gives: ``{"teacher": [B, 3, T, T], "crops": [B, n, 3, c, c], "patches": [B, P, 3, p, p]}``
+    (normalised float32, on the images' device). ``side``: when every image is a square of ``side`` pixels,
+    :meth:`draw` places the boxes at once (what the tests and benchmarks of square images use).
     """
 
     def __init__(
-        self, cfg: ViewsConfig, side: int, mocov2: bool = False, moco_crop_scale: Sequence[float] = (0.2, 1.0)
+        self,
+        cfg: ViewsConfig,
+        side: int | None = None,
+        mocov2: bool = False,
+        moco_crop_scale: Sequence[float] = (0.2, 1.0),
     ) -> None:
-        if side < 1:
+        if side is not None and side < 1:
             raise ValueError(f"BatchedViews needs images of at least 1 pixel, got {side}")
         self.cfg = cfg
         self.side = side
         self.mocov2 = mocov2
         self.moco_crop_scale = tuple(moco_crop_scale)
-        self._teacher_box = teacher_box(side, cfg.teacher_resize, cfg.teacher_size)
         self._mean_std: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}  # per device, made once
 
     def draw(self, batch: int, generator: torch.Generator) -> ViewParams:
-        """The random parameters of ``batch`` images' views, in a fixed order of draws from ``generator``."""
+        """The random parameters of ``batch`` images' views, in a fixed order of draws from ``generator`` (placed on
+        squares of ``side`` when the views were made for them)."""
         cfg = self.cfg
         if self.mocov2:
-            return ViewParams(None, self._draw_group(batch, 2, self.moco_crop_scale, True, generator), None, None, None)
-        flip = torch.rand(batch, generator=generator) < 0.5
-        crops = self._draw_group(batch, cfg.num_crops, cfg.crop_scale, True, generator) if cfg.num_crops else None
-        grid = keep = offsets = None
-        if cfg.num_patches:
-            grid = self._draw_group(batch, 1, cfg.patch_scale, False, generator)
-            keep, offsets = draw_patch_cells(batch, cfg.num_patches, cfg.patch_jitter, generator)
-        return ViewParams(flip, crops, grid, keep, offsets)
+            both = self._draw_group(batch, 2, self.moco_crop_scale, True, generator)
+            params = ViewParams(None, both, None, None, None)
+        else:
+            flip = torch.rand(batch, generator=generator) < 0.5
+            crops = self._draw_group(batch, cfg.num_crops, cfg.crop_scale, True, generator) if cfg.num_crops else None
+            grid = keep = offsets = None
+            if cfg.num_patches:
+                grid = self._draw_group(batch, 1, cfg.patch_scale, False, generator)
+                keep, offsets = draw_patch_cells(batch, cfg.num_patches, cfg.patch_jitter, generator)
+            params = ViewParams(flip, crops, grid, keep, offsets)
+        if self.side is None:
+            return params
+        return self.place(params, torch.tensor([[self.side, self.side]]).expand(batch, 2))
+
+    def place(self, params: ViewParams, sizes: Tensor) -> ViewParams:
+        """``params`` with their boxes placed on images of ``sizes`` ``[B, 2]`` (height, width; CPU)."""
+
+        def placed(group: GroupParams | None) -> GroupParams | None:
+            if group is None:
+                return None
+            boxes = place_boxes(group.draws, sizes.unsqueeze(1).expand(*group.draws.corner.shape[:2], 2))
+            return dataclasses.replace(group, boxes=boxes)
+
+        teacher = None if self.mocov2 else teacher_boxes(sizes, self.cfg.teacher_resize, self.cfg.teacher_size)
+        return dataclasses.replace(params, crops=placed(params.crops), grid=placed(params.grid), teacher_box=teacher)
 
     def render(self, images: Tensor, params: ViewParams, dense: bool = False) -> dict[str, Tensor]:
-        """The views of ``images`` ``[B, 3, side, side]`` under ``params`` (of the same ``B`` images).
+        """The views of ``images`` ``[B, 3, H, W]`` under ``params`` (of the same ``B`` images, placed on their sizes).
 
         ``dense``: every view through every photometric operation, each kept where drawn
         (:func:`photometric_dense`), with ``params`` on the images' device: the same views with shapes that never
@@ -442,8 +528,7 @@ class BatchedViews:
             assert params.crops is not None  # MoCo v2's two crops
             both = self._render_group(images, params.crops, cfg.teacher_size, dense)
             return {"teacher": both[:, 0], "crops": both[:, 1:]}
-        box = self._teacher_box.expand(images.shape[0], 1, 4)
-        teacher = resized_crops(images, box, cfg.teacher_size)[:, 0] / 255.0
+        teacher = resized_crops(images, params.teacher_box.unsqueeze(1), cfg.teacher_size)[:, 0] / 255.0
         assert params.teacher_flip is not None  # drawn for OBoW's teacher view
         flip = params.teacher_flip.to(images.device, non_blocking=True).view(-1, 1, 1, 1)
         views = {"teacher": self._normalize(torch.where(flip, teacher.flip(-1), teacher))}
@@ -457,11 +542,13 @@ class BatchedViews:
         return views
 
     def __call__(self, images: Tensor, generator: torch.Generator) -> dict[str, Tensor]:
-        return self.render(images, self.draw(images.shape[0], generator))
+        """The views of a batch of images ``[B, 3, H, W]``, all of that size, under fresh draws."""
+        params = self.draw(images.shape[0], generator)
+        return self.render(images, self.place(params, torch.tensor([images.shape[-2:]]).expand(len(images), 2)))
 
     def _draw_group(self, batch: int, m: int, scale, blur: bool, generator: torch.Generator) -> GroupParams:
-        boxes = random_resized_boxes(batch * m, self.side, scale, generator).view(batch, m, 4)
-        return GroupParams(boxes, draw_photometric((batch, m), self.cfg, generator, blur))
+        draws = draw_boxes((batch, m), scale, generator)
+        return GroupParams(draws, None, draw_photometric((batch, m), self.cfg, generator, blur))
 
     def _render_group(self, images: Tensor, group: GroupParams, size: int, dense: bool = False) -> Tensor:
         """The group's augmented, normalised crops of ``size`` px: ``[B, m, 3, size, size]``."""

@@ -4,13 +4,15 @@
 training loop and yields the same batches (``{"image": views, "skipped": [], "tiny": [(path, shorter side)]}``),
 but no worker process decodes or augments anything: the images come decoded from an
 :class:`obow.data.cache.ImageCache` (held on the GPU when it fits in a quarter of its free memory, else gathered per
-batch on the CPU and copied), and :class:`obow.data.batched_views.BatchedViews` makes all views of a batch with a
-few batched kernels.
+batch on the CPU and copied), each whole at its own size, gathered into one tensor padded to the batch's largest
+height and width (:meth:`~obow.data.cache.ImageCache.batch`), and :class:`obow.data.batched_views.BatchedViews`
+makes all views of a batch with a few batched kernels, the boxes placed on each image's own size.
 
 The order of the images is the :class:`~obow.data.folders.EpochSampler`'s, and the random parameters of global
 batch ``b`` of epoch ``e`` are drawn from a generator seeded with ``sample_seed(seed, e, b * G)``: a resumed
 epoch sees the views an uninterrupted one saw, and every process of a multi-GPU run draws the parameters of the
-whole global batch and renders its own share, so its views are those of a one-GPU run.
+whole global batch and renders its own share, so its views are those of a one-GPU run (the draws do not depend on
+the images; each process places its share's boxes on its own images' sizes).
 
 On a GPU each batch is made on a side stream one batch ahead (:func:`made_ahead`): while the step of batch ``b``
 runs on the main stream, the views of ``b + 1`` are rendered beside it. ``render`` may be a compiled render
@@ -52,6 +54,7 @@ class DeviceLoader:
         self.seed = seed
         self.render = render or views.render  # views.render, or its compiled form
         self.resident: torch.Tensor | None = None  # the whole cache on the device, when it is held there
+        # the flat buffer of every image's pixels (ImageCache.pixels), shared with the cache on the CPU
         if device.type == "cuda" and cache.nbytes <= GPU_CACHE_FRACTION * torch.cuda.mem_get_info(device)[0]:
             self.resident = torch.from_numpy(cache.pixels).to(device)
         elif device.type == "cpu" and cache.where == "memory":
@@ -85,9 +88,10 @@ class DeviceLoader:
         seed = sample_seed(self.seed, sampler.epoch, batch * sampler.global_batch_size)
         generator = torch.Generator().manual_seed(seed)
         params = self.views.draw(size, generator)[offset : offset + len(indices)]
+        params = self.views.place(params, torch.from_numpy(self.cache.sizes[indices]))
         index = torch.tensor(indices)
         if self.resident is not None:
-            images = self.resident[index.to(self.resident.device)]
+            images = self.cache.batch(index, self.resident)
         else:
             images = self.cache.batch(index).pin_memory() if self.device.type == "cuda" else self.cache.batch(index)
         tiny = [(self.cache.images.paths[i], self.cache.tiny[i]) for i in indices if i in self.cache.tiny]

@@ -98,12 +98,12 @@ def build_image_cache(data: Data, recipe: str) -> tuple[str, float]:
     from obow.config import load_config
     from obow.data.cache import build_cache
     from obow.data.folders import scan_images
-    from obow.methods import views_side
+    from obow.methods import cache_side
 
     cfg = load_config(recipe)
     start = time.perf_counter()
     train = scan_images(data.train, "folders")
-    cache = build_cache(train, views_side(cfg.views), cfg.data.cache_size, cfg.data.cache_dir)
+    cache = build_cache(train, cache_side(cfg), cfg.data.cache_size, cfg.data.cache_dir)
     return cache.describe(), time.perf_counter() - start
 
 

@@ -86,19 +86,34 @@ def build_views(cfg: Config) -> Callable[[Any], dict]:
 
 
 def views_side(views: ViewsConfig) -> int:
-    """The largest image the views are made from before cropping (the device pipeline's default cache size)."""
+    """The largest image the views are made from before cropping (the square images the render benchmarks use;
+    the device pipeline's cache side is :func:`cache_side`)."""
     return max(views.teacher_resize, views.patch_grid_size, views.teacher_size)
 
 
 def used_side(views: ViewsConfig) -> int:
     """The largest image the views are actually made from: the teacher's resize, and the patch grid only when there
-    are patches (:func:`views_side` counts the grid's size even without them: the cache's size, kept as it was).
+    are patches (:func:`views_side` counts the grid's size even without them).
     Under a quarter of it, an image is tiny (:func:`obow.data.folders.tiny_below`)."""
     return max(views.teacher_resize, views.teacher_size, views.patch_grid_size if views.num_patches else 0)
 
 
-def build_batched_views(cfg: Config, side: int) -> BatchedViews:
-    """:func:`build_views`' views for whole batches of decoded ``side`` px squares (``data.pipeline: device``)."""
+def cache_side(cfg: Config) -> int:
+    """The device pipeline's default cap on the cached images' shorter side (:func:`obow.data.cache.sharp_side`):
+    the smallest at which none of the method's views is upsampled (654 px for the paper's ImageNet views)."""
+    from obow.data.cache import sharp_side
+
+    views = cfg.views
+    if cfg.model.method == "mocov2" and cfg.moco.augmentation == "mocov2":
+        return sharp_side(0, [(views.teacher_size, cfg.moco.crop_scale[0])])
+    crops = [(views.crop_size, views.crop_scale[0])] * (views.num_crops > 0)
+    crops += [(views.patch_grid_size, views.patch_scale[0])] * (views.num_patches > 0)
+    return sharp_side(views.teacher_resize, crops)
+
+
+def build_batched_views(cfg: Config, side: int | None = None) -> BatchedViews:
+    """:func:`build_views`' views for whole batches of decoded images (``data.pipeline: device``); ``side``: when all
+    are squares of ``side`` pixels (:class:`~obow.data.batched_views.BatchedViews`)."""
     from obow.data.batched_views import BatchedViews
 
     mocov2 = cfg.model.method == "mocov2" and cfg.moco.augmentation == "mocov2"

@@ -20,7 +20,7 @@ from obow.data.batched_views import compiled_render, graphed_render
 from obow.data.cache import ImageCache, build_cache
 from obow.data.device_loader import DeviceLoader
 from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loader, scan_images, tiny_below
-from obow.methods import build_batched_views, build_method, build_views, used_side, views_side
+from obow.methods import build_batched_views, build_method, build_views, cache_side, used_side
 from obow.methods.base import Method
 from obow.training.run.logger import log_main
 from obow.training.run.precision import check_precision
@@ -87,17 +87,18 @@ def build_data(
         images = cache.images
     sampler = EpochSampler(len(images), local_batch, seed=cfg.train.seed, rank=D.rank(), world_size=world)
     if pipeline == "device":
-        views = build_batched_views(cfg, cache.side)
+        views = build_batched_views(cfg)
         render = None
-        if cfg.train.compile == "step" and device.type in COMPILED_RENDER_DEVICES:
-            render = compiled_render(views, device, backend=compiled_module.BACKEND)
-        elif cfg.train.compile == "graph" and (factory := graphed.graph_factory(device)) is not None:
-            render = graphed_render(views, device, factory)
+        if cache.uniform is not None:  # else the batches' padded sizes change: no static shapes to compile or capture
+            if cfg.train.compile == "step" and device.type in COMPILED_RENDER_DEVICES:
+                render = compiled_render(views, device, backend=compiled_module.BACKEND)
+            elif cfg.train.compile == "graph" and (factory := graphed.graph_factory(device)) is not None:
+                render = graphed_render(views, device, factory)
         loader = DeviceLoader(cache, sampler, views, device, cfg.train.seed, render)
         held = "; held on the GPU" if loader.where == "on the GPU" else ""
-        notes = ([cast(Any, render).kind] if render is not None else []) + ["one batch ahead on a side stream"] * (
-            device.type == "cuda"
-        )
+        notes = [cast(Any, render).kind] if render is not None else []
+        notes += ["eager: images of several sizes"] * (cache.uniform is None and cfg.train.compile in ("step", "graph"))
+        notes += ["one batch ahead on a side stream"] * (device.type == "cuda")
         how = f" ({'; '.join(notes)})" if notes else ""
         log_main("Data: views made on the %s%s from %s%s", device.type, how, cache.describe(), held)
         return images, sampler, loader
@@ -119,7 +120,7 @@ def shared_cache(images: ImageList, cfg: Config, device: torch.device) -> ImageC
 
     def build() -> ImageCache:
         return build_cache(
-            images, views_side(cfg.views), cfg.data.cache_size, cfg.data.cache_dir, tiny_side=used_side(cfg.views)
+            images, cache_side(cfg), cfg.data.cache_size, cfg.data.cache_dir, tiny_side=used_side(cfg.views)
         )
 
     if not D.is_distributed():

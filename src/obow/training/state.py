@@ -1,17 +1,18 @@
 """What a run keeps and how it comes back: the run folder, the checkpoint of a run in progress, resumption.
 
-A run lives in one folder (``--out``): ``config.yaml`` (the resolved recipe), ``checkpoint.pt`` (the latest
-state, :mod:`obow.weights.checkpoint`'s format), ``checkpoint.prev.pt`` (the one before it, resumed from when the
-latest cannot be read), ``checkpoints/epoch_NNNN.pt`` (permanent copies every
-``train.keep_every`` epochs), ``log.jsonl``, ``tensorboard/`` and ``.obow.lock`` (:mod:`obow.training.lock`:
-one writer at a time). A checkpoint holds everything needed to continue exactly where the run stopped: the
-method's and the optimiser's state, the position in the epoch (:class:`RunState`), every process's random
-state and running sums of the epoch under way. It is written at step boundaries only (epoch ends, every
-``train.checkpoint_every`` steps, every ``train.checkpoint_minutes``, and after SIGINT / SIGTERM, which
-:func:`handle_signals` turns into a request the loop honours when the step under way is done; a step that
-compiles stops at once instead, keeping nothing: :mod:`obow.training.compiling`). Resuming
-refuses a recipe whose run-defining settings differ from the checkpoint's (:func:`check_same_run`); only
-:data:`RESUMABLE_CHANGES` may change.
+A run lives in one folder (``--out``): ``config.yaml`` (the resolved recipe), ``checkpoint.pt`` (the latest state,
+:mod:`obow.weights.checkpoint`'s format), ``checkpoint.prev.pt`` (the one before it, resumed from when the latest
+cannot be read), ``checkpoints/epoch_NNNN.pt`` (permanent copies every ``train.keep_every`` epochs), ``log.jsonl``,
+``tensorboard/``, ``images.tsv.gz`` (the training images' list, :mod:`obow.data.identity`), ``previous_attempt/``
+(the logs of an attempt that died before its first checkpoint, :func:`set_aside_attempt`) and ``.obow.lock``
+(:mod:`obow.training.lock`: one writer at a time). A checkpoint holds everything needed to continue exactly where
+the run stopped: the method's and the optimiser's state, the position in the epoch (:class:`RunState`), every
+process's random state and running sums of the epoch under way. It is written at step boundaries only (epoch ends,
+every ``train.checkpoint_every`` steps, every ``train.checkpoint_minutes``, and after SIGINT / SIGTERM, which
+:func:`handle_signals` turns into a request the loop honours when the step under way is done; a step that compiles
+stops at once instead, keeping nothing: :mod:`obow.training.compiling`). Resuming refuses a recipe whose
+run-defining settings differ from the checkpoint's (:func:`check_same_run`); only :data:`RESUMABLE_CHANGES` may
+change; and training images other than the checkpoint's, wherever they are (:func:`check_same_data`).
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ def open_run(cfg: Config, out: Path, identity: DataIdentity) -> dict[str, Any] |
     ckpt, source = found if found is not None else (None, None)
     extended_from = None
     if ckpt is not None:
-        extended_from = check_same_run(cfg, ckpt["config"], path)
+        # a checkpoint with its images' record keeps the warm-up asked (both came in with issue 60)
+        extended_from = check_same_run(cfg, ckpt["config"], path, warmup_as_asked="data" in ckpt)
         if "optimizer" not in ckpt:
             raise RunError(
                 f"{path} holds weights but no training state (written by obow import-official?): it can be "
@@ -393,14 +395,16 @@ def save_run(
         save_atomic(ckpt, out / "checkpoints" / f"epoch_{state.epoch:04d}.pt")
 
 
-def check_same_run(cfg: Config, saved: dict[str, Any], path: Path) -> int | None:
+def check_same_run(cfg: Config, saved: dict[str, Any], path: Path, *, warmup_as_asked: bool = False) -> int | None:
     """Refuse to resume a checkpoint whose run-defining settings differ from ``cfg``; one change is allowed,
-    a larger ``optim.epochs`` (extending the run: the checkpoint's planned epochs are returned, else ``None``)."""
+    a larger ``optim.epochs`` (extending the run: the checkpoint's planned epochs are returned, else ``None``).
+    ``data.path`` is left to :func:`check_same_data`. Unless ``warmup_as_asked`` (the checkpoint's configuration
+    holds the warm-up asked for), ``optim.warmup_epochs`` is read as :func:`as_asked` says."""
     try:  # settings added after the checkpoint was written count as their defaults, or as what the run did
         saved = to_dict(from_dict(Config, as_it_ran(saved)))
     except ValueError:
         pass
-    now, before = flatten(to_dict(cfg)), flatten(as_asked(saved, cfg))
+    now, before = flatten(to_dict(cfg)), flatten(saved if warmup_as_asked else as_asked(saved, cfg))
     changed = sorted(
         k
         for k in now.keys() | before.keys()

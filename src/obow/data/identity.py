@@ -42,9 +42,17 @@ class DataIdentity:
 
 def identify(images: ImageList) -> DataIdentity:
     """The identity of ``images`` (one ``stat`` per image)."""
-    root = images.root
-    files = sorted((os.path.relpath(path, root).replace(os.sep, "/"), os.stat(path).st_size) for path in images.paths)
+    prefix = os.path.join(images.root, "")
+    files = sorted((relative(path, images.root, prefix), os.stat(path).st_size) for path in images.paths)
     return DataIdentity(files, digest(files))
+
+
+def relative(path: str, root: str, prefix: str) -> str:
+    """``path`` relative to ``root`` (whose ``prefix`` is ``root`` and a separator), ``/``-separated: by slicing
+    when it starts with ``prefix``, as the paths :func:`~obow.data.folders.scan_images` lists do
+    (``os.path.relpath`` took 1.3 s per 100,000 images)."""
+    name = path[len(prefix) :] if path.startswith(prefix) else os.path.relpath(path, root)
+    return name.replace(os.sep, "/")
 
 
 def digest(files: list[tuple[str, int]]) -> str:

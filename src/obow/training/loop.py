@@ -195,6 +195,8 @@ def train_in_lock(
     cfg = settled.cfg
     identity = identify(images)
     ckpt = open_run(cfg, out, identity)
+    data_record = identity.record
+    del identity  # its list of every image is not held through the run
     images, sampler, loader = build_data(cfg, device, images, pipeline=settled.pipeline)
     iters_per_epoch = len(images) // cfg.data.batch_size
     total_iters = iters_per_epoch * cfg.optim.epochs
@@ -202,7 +204,7 @@ def train_in_lock(
     optimizer = build_optimizer(model, cfg)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
     state = start_or_resume(ckpt, model, optimizer, scaler, images, cfg, device, out)
-    state.data = identity.record
+    state.data = data_record
     if state.epoch >= cfg.optim.epochs:
         log_main(
             "%s is finished (%d of %d iterations); raise optim.epochs to extend it",

@@ -241,6 +241,37 @@ def test_the_image_list_is_trusted_only_when_it_matches_the_checkpoints_digest(t
     assert read_list(tmp_path / "missing.gz", identity.digest) is None
 
 
+def test_what_a_resume_says_of_its_images_when_the_list_or_the_record_is_missing(tmp_path, caplog):
+    from obow.config import Config, DataConfig, to_dict
+    from obow.data.folders import scan_images
+    from obow.data.identity import identify
+    from obow.training.state import RunError, check_same_data
+
+    def cfg(path, **data):
+        return Config(data=DataConfig(path=str(path), batch_size=4, **data))
+
+    data, out = write_class_images(tmp_path / "data", per_class=4), tmp_path / "run"  # 8 images: 2 steps
+    out.mkdir()
+    identity = identify(scan_images(data))
+    ckpt = {"config": to_dict(cfg(data)), "data": identity.record}
+    with caplog.at_level("INFO", logger="obow"):
+        check_same_data(cfg(data), ckpt, out, identity)
+    assert not caplog.text  # the same images in the same folder: nothing to say
+    (data / "class0" / "000.png").unlink()
+    fewer = identify(scan_images(data))
+    with pytest.raises(RunError, match=r": 7 images now, 8 then \(the list that would say which, .*images.tsv.gz, is"):
+        check_same_data(cfg(data), ckpt, out, fewer)  # no list in the run folder: counted
+    with caplog.at_level("WARNING", logger="obow"):
+        check_same_data(cfg(data, on_change="continue"), ckpt, out, fewer)
+    assert "continuing on the images now there (data.on_change=continue); steps per epoch 2 -> 1" in caplog.text
+    old = {"config": to_dict(cfg(tmp_path / "elsewhere"))}  # written before runs recorded their images
+    check_same_data(cfg(tmp_path / "elsewhere"), old, out, fewer)  # resumed on its own folder, unchecked
+    with pytest.raises(RunError, match=r"written before obow recorded which images .* resume with --data "):
+        check_same_data(cfg(data), old, out, fewer)
+    with pytest.raises(ValueError, match=r"data.on_change=.ignore. is not allowed; choose one of .refuse., .continue."):
+        DataConfig(on_change="ignore")
+
+
 # ------------------------------------------------------------------------------------------------ 6: dead attempt
 
 

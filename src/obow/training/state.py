@@ -260,8 +260,8 @@ def check_same_data(cfg: Config, ckpt: dict[str, Any], out: Path, identity: Data
         what = compare(known, identity.files).describe()
     else:
         what = (
-            f"{len(identity.files)} images now, {record['images']} then ({LIST_NAME}, the list that would say which, "
-            f"is not in {out})"
+            f"{len(identity.files)} images now, {record['images']} then (the list that would say which, "
+            f"{out / LIST_NAME}, is missing or lists other images)"
         )
     said = f"the training images in {where} are not those the run in {out} was trained on: {what}"
     if cfg.data.on_change != "continue":
@@ -315,7 +315,8 @@ def restore(
     set_rng_state(this_process(ckpt["rng"]))
     progress = ckpt.get("epoch_progress") or {}  # absent from version-1 checkpoints, which had none
     epoch, batch = ckpt["epoch"], min(ckpt["batch_in_epoch"], iters_per_epoch)
-    realign_iteration(model, epoch * iters_per_epoch + batch)
+    if epoch * iters_per_epoch + batch != ckpt["iteration"]:
+        realign_iteration(model, epoch * iters_per_epoch + batch)
     return RunState(
         epoch=epoch,
         batch_in_epoch=batch,
@@ -331,9 +332,9 @@ def restore(
 
 def realign_iteration(model: nn.Module, iteration: int) -> None:
     """Set the model's ``iteration`` buffer (of the methods that keep one) to ``iteration``, where the run
-    continues: the same as the checkpoint's, unless the steps per epoch changed with the training images
-    (``data.on_change: continue``); the epoch under way then continues at the same batch of the new count (at its
-    end, when the new epoch is shorter than that)."""
+    continues when the steps per epoch changed with its training images (``data.on_change: continue``): the epoch
+    under way continues at the same batch of the new count (at its end, when the new epoch is shorter than
+    that), and the iteration is counted as the new plan counts it."""
     buffer = getattr(model, "iteration", None)
     if isinstance(buffer, torch.Tensor):
         buffer.fill_(iteration)

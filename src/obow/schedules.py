@@ -24,6 +24,14 @@ def teacher_momentum(iteration: int, total_iterations: int, base: float = 0.99, 
     return cosine_anneal(iteration, total_iterations, base, 1.0)
 
 
+def run_warmup(warmup_epochs: float, epochs: int) -> float:
+    """The warm-up a run of ``epochs`` epochs takes when ``optim.warmup_epochs`` asks for ``warmup_epochs``: as
+    asked, or half the run when that is not shorter than the run (a 1-epoch run of a recipe with a 1-epoch
+    warm-up keeps half its length for the cosine part rather than being refused). The recipe keeps what was
+    asked, so that the same run extended (a larger ``optim.epochs``) warms up as asked once it is long enough."""
+    return epochs / 2 if warmup_epochs >= epochs else warmup_epochs
+
+
 def learning_rate(
     iteration: int,
     iterations_per_epoch: int,
@@ -34,11 +42,13 @@ def learning_rate(
     end_lr: float = 0.0,
     cosine_per_epoch: bool = True,
 ) -> float:
-    """Linear warm-up from 0 over ``warmup_epochs`` (per iteration), then cosine from ``base_lr`` to ``end_lr``.
+    """Linear warm-up from 0 over ``warmup_epochs`` (per iteration; :func:`run_warmup`: half the run when it is
+    not shorter than the run), then cosine from ``base_lr`` to ``end_lr``.
 
     With ``cosine_per_epoch`` (the official code, notes 2.12) the cosine steps once per epoch, evaluated at the
     epoch's start; otherwise it is smooth per iteration.
     """
+    warmup_epochs = run_warmup(warmup_epochs, epochs)
     warmup_iterations = warmup_epochs * iterations_per_epoch
     if iteration < warmup_iterations:
         return base_lr * iteration / warmup_iterations

@@ -124,7 +124,7 @@ def _common_options(data_help: str) -> argparse.ArgumentParser:
     """The options every protocol takes; ``data_help`` says what ``--data`` holds for it."""
     common = argparse.ArgumentParser(add_help=False)
     src = common.add_argument_group("what to evaluate")
-    src.add_argument("--checkpoint", help="a pretraining checkpoint (obow pretrain)")
+    src.add_argument("--checkpoint", help="a pretraining checkpoint, or the run folder of obow pretrain")
     src.add_argument("--network", choices=NETWORKS, help="which network of the checkpoint (default student)")
     src.add_argument(
         "--backbone",
@@ -425,6 +425,10 @@ class _Run:
             raise ValueError(f"data folder {str(self.data)!r} does not exist")
         if args.network is not None and args.checkpoint is None:
             raise ValueError("--network picks the student or teacher of a --checkpoint; it needs --checkpoint")
+        if args.checkpoint is not None:  # a run folder: its newest checkpoint (its reports then go beside it)
+            from obow.weights.locate import checkpoint_path
+
+            args.checkpoint = checkpoint_path(args.checkpoint)
         recipe = self._recipe()
         self.backbone, self.info = load_backbone(
             args.checkpoint,

@@ -30,7 +30,7 @@ def add_show_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     kinds = parser.add_subparsers(title="pictures", dest="picture", metavar="PICTURE", required=True)
 
     p = kinds.add_parser("words", help="the top image patches of visual words (PNG grid and HTML page)")
-    p.add_argument("--checkpoint", required=True, help="a pretraining checkpoint (obow pretrain)")
+    p.add_argument("--checkpoint", required=True, help="a pretraining checkpoint, or the run folder of obow pretrain")
     p.add_argument("--data", required=True, help="a folder of images (any tree; class folders not needed)")
     p.add_argument("--out", required=True, help="output folder: words.png, index.html, patches/")
     p.add_argument("--network", choices=NETWORKS, default="teacher", help="whose feature maps (default teacher)")
@@ -47,7 +47,7 @@ def add_show_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.set_defaults(func=run_run)
 
     p = kinds.add_parser("neighbours", help="nearest training images of a few queries, learned vs random init")
-    p.add_argument("--checkpoint", required=True, help="a pretraining checkpoint (obow pretrain)")
+    p.add_argument("--checkpoint", required=True, help="a pretraining checkpoint, or the run folder of obow pretrain")
     p.add_argument("--data", required=True, help="folder holding train/ and val/ (or test/) class folders")
     p.add_argument("--out", required=True, help="output PNG")
     p.add_argument("--network", choices=NETWORKS, default="student", help="default student")
@@ -82,11 +82,12 @@ def _run_options(p: argparse.ArgumentParser, batch_size: int) -> None:
 def run_words(args: argparse.Namespace) -> int:
     from obow.files import check_writable
     from obow.show.words import show_words
+    from obow.weights.locate import checkpoint_path
 
     check_writable(os.path.join(args.out, "words.png"))  # before the work
 
     result = show_words(
-        args.checkpoint,
+        checkpoint_path(args.checkpoint),
         args.data,
         args.out,
         network=args.network,
@@ -120,11 +121,12 @@ def run_run(args: argparse.Namespace) -> int:
 def run_neighbours(args: argparse.Namespace) -> int:
     from obow.files import check_writable
     from obow.show.neighbours import show_neighbours
+    from obow.weights.locate import checkpoint_path
 
     check_writable(args.out)  # before the work
 
     result = show_neighbours(
-        args.checkpoint,
+        checkpoint_path(args.checkpoint),
         args.data,
         args.out,
         network=args.network,

@@ -23,7 +23,7 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         "FILE picks the container: FILE.safetensors is written as safetensors (the metadata of FILE.json in its "
         "header too), any other name with torch.save; --format detectron2 writes a pickle (FILE.pkl).",
     )
-    p.add_argument("--checkpoint", required=True, help="a pretraining checkpoint (obow pretrain)")
+    p.add_argument("--checkpoint", required=True, help="a pretraining checkpoint, or the run folder of obow pretrain")
     p.add_argument(
         "--out",
         required=True,
@@ -57,10 +57,11 @@ def add_import_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 def run_export(args: argparse.Namespace) -> int:
     """``obow export``: write the backbone and its ``.json`` sidecar; print what was written."""
     from obow.weights.export import export_backbone
+    from obow.weights.locate import checkpoint_path
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        meta = export_backbone(args.checkpoint, args.out, network=args.network, fmt=args.format)
+        meta = export_backbone(checkpoint_path(args.checkpoint), args.out, network=args.network, fmt=args.format)
     print(
         f"wrote {args.out} ({meta['format']}, {meta['container']}: {meta['arch']}, {meta['stem']} stem, "
         f"{meta['network']}{'' if meta['epoch'] is None else ', epoch ' + str(meta['epoch'])}) and {args.out}.json"

@@ -29,6 +29,9 @@ HEADS = ("dynamic", "fixed")
 LABEL_MODES = ("auto", "folders", "none")
 #: Who makes the training views: loader worker processes, or batched kernels on the training device.
 PIPELINES = ("auto", "workers", "device")
+#: ``data.on_change``: what a resume does when the training images differ from the checkpoint's (some added,
+#: removed or changed in size): stop and say so, or go on with the images now there.
+DATA_CHANGES = ("refuse", "continue")
 
 # train (obow.training)
 #: Where a run computes: a GPU when one is visible (auto), or the one named.

@@ -21,6 +21,7 @@ from obow.checks import check_choice, check_positive, check_unit_interval
 from obow.config.choices import (
     ASSIGNMENTS,
     COMPILE_MODES,
+    DATA_CHANGES,
     DEVICES,
     HEADS,
     LABEL_MODES,
@@ -272,6 +273,9 @@ class DataConfig:
     ``cache_dir`` (default ``~/.cache/obow``) and ``cache_size`` (the shorter side every whole image is cached at;
     default: its own, up to the side where none of the recipe's views is upsampled) configure the device
     pipeline's cache (:mod:`obow.data.cache`).
+    ``on_change`` is what resuming a run does when its training images are not the checkpoint's (added, removed,
+    changed in size: :mod:`obow.data.identity`): ``refuse`` (the default) or ``continue`` on the images now there,
+    given for that resume (``data.on_change=continue``).
     """
 
     path: str | None = None
@@ -284,9 +288,11 @@ class DataConfig:
     pipeline: str = "auto"
     cache_dir: str | None = None
     cache_size: int | None = None
+    on_change: str = "refuse"
 
     def __post_init__(self) -> None:
         check_choice("data.labels", self.labels, LABEL_MODES)
+        check_choice("data.on_change", self.on_change, DATA_CHANGES)
         check_choice("data.pipeline", self.pipeline, PIPELINES)
         if self.cache_size is not None:
             _check_int("data.cache_size", self.cache_size, minimum=1)
@@ -298,7 +304,8 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """SGD with a linear warm-up then a cosine learning rate (official notes 2.12)."""
+    """SGD with a linear warm-up then a cosine learning rate (official notes 2.12). ``warmup_epochs`` stays as
+    asked; a run not longer than it warms up over half its length (:func:`obow.schedules.run_warmup`)."""
 
     epochs: int = 200
     lr: float = 0.03
@@ -314,18 +321,6 @@ class OptimConfig:
         _check_int("optim.epochs", self.epochs, minimum=1)
         check_positive("optim.lr", self.lr)
         check_positive("optim.warmup_epochs", self.warmup_epochs, allow_zero=True)
-        if self.warmup_epochs >= self.epochs:
-            # a short run of a long recipe (e.g. optim.epochs=1 with its 1-epoch warm-up) keeps half its length
-            # for the cosine part rather than being refused
-            shortened = self.epochs / 2
-            log.warning(
-                "optim.warmup_epochs (%g) is not shorter than optim.epochs (%d): the warm-up is shortened to %g "
-                "epochs for this run",
-                self.warmup_epochs,
-                self.epochs,
-                shortened,
-            )
-            self.warmup_epochs = shortened
         check_positive("optim.end_lr", self.end_lr, allow_zero=True)
         check_unit_interval("optim.momentum", self.momentum, closed=False)
         check_positive("optim.weight_decay", self.weight_decay, allow_zero=True)

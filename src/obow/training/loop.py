@@ -37,6 +37,7 @@ from torch import nn
 from obow import distributed as D
 from obow.config import Config
 from obow.data.folders import TINY_UPSCALE, EpochSampler, ImageList, scan_images
+from obow.data.identity import identify
 from obow.methods.base import Method
 from obow.notices import release_notices
 from obow.schedules import learning_rate
@@ -56,6 +57,7 @@ from obow.training.run.state import (
     RunState,
     SignalFlag,
     check_inputs,
+    check_out_outside_data,
     handle_signals,
     open_run,
     save_run,
@@ -174,6 +176,7 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
     if cfg.data.path is None:
         raise RunError("no training images: set data.path (obow pretrain --data DIR)")
     check_inputs(cfg)  # before the run folder is created
+    check_out_outside_data(cfg, out)
     if why := check_step_mode(cfg):
         raise RunError(why)
     # and the images found before it too: an empty --data, or one with fewer images than a batch, leaves no folder
@@ -197,7 +200,10 @@ def train_in_lock(
     """:func:`run_pretraining`'s work once the run folder is locked and the run settled, on the training ``images``
     it found: build, then train."""
     cfg = settled.cfg
-    ckpt = open_run(cfg, out)
+    identity = identify(images)
+    ckpt = open_run(cfg, out, identity)
+    data_record = identity.record
+    del identity  # its list of every image is not held through the run
     images, sampler, loader = build_data(cfg, device, images, pipeline=settled.pipeline)
     iters_per_epoch = len(images) // cfg.data.batch_size
     total_iters = iters_per_epoch * cfg.optim.epochs
@@ -205,6 +211,7 @@ def train_in_lock(
     optimizer = build_optimizer(model, cfg)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
     state = start_or_resume(ckpt, model, optimizer, scaler, images, cfg, device, out)
+    state.data = data_record
     if state.epoch >= cfg.optim.epochs:
         log_main(
             "%s is finished (%d of %d iterations); raise optim.epochs to extend it",

@@ -19,6 +19,7 @@ A pretraining checkpoint is a ``torch.save`` dictionary of tensors and plain val
                    record equals an uninterrupted one's)
 ``skipped_images`` unreadable files met so far
 ``tiny_images``    tiny images met so far (used, upscaled more than 4x: :data:`obow.data.folders.TINY_UPSCALE`)
+``data``           the training images: ``images``, ``bytes`` and ``digest`` (:mod:`obow.data.identity`)
 ``history``        per-epoch summaries
 ``scaler``         the fp16 gradient scaler's state
 ``imported_from``  the authors' file, for a checkpoint written by ``obow import-official``

@@ -21,6 +21,7 @@ import torch
 from obow import distributed as D
 from obow.config import Config
 from obow.config.choices import PIPELINES, PRECISIONS
+from obow.schedules import run_warmup
 from obow.training.run import precision as prec
 from obow.training.run.logger import log_main
 from obow.training.run.state import as_it_ran, started_config
@@ -50,6 +51,7 @@ def settle_run(cfg: Config, out: Path, device: torch.device) -> SettledRun:
     started_with = started_config(out)
     cfg = settle_pipeline(settle_precision(cfg, device, started_with), device, started_with)
     cfg = settle_bn_splits(cfg, started_with)
+    note_short_warmup(cfg)
     threads, why = choose_threads(cfg)
     return SettledRun(cfg, resolve_pipeline(cfg.data.pipeline, device), threads, why)
 
@@ -142,6 +144,23 @@ def settle_bn_splits(cfg: Config, started_with: dict[str, Any] | None) -> Config
         why = f"sub-batches of {local_batch // splits} of the {local_batch} images per process"
     log_main("MoCo: moco.bn_splits=null -> %d (%s)", splits, why)
     return dataclasses.replace(cfg, moco=dataclasses.replace(cfg.moco, bn_splits=splits))
+
+
+def note_short_warmup(cfg: Config) -> None:
+    """Say when the run is not longer than its ``optim.warmup_epochs``: it warms up over half its length
+    (:func:`obow.schedules.run_warmup`), while its recipe keeps what was asked, for an extension to warm up as
+    asked."""
+    optim = cfg.optim
+    if optim.warmup_epochs >= optim.epochs:
+        log_main(
+            "optim.warmup_epochs (%g) is not shorter than optim.epochs (%d): the warm-up is shortened to %g epochs "
+            "for this run (config.yaml keeps %g: extended to more epochs, the run warms up as asked)",
+            optim.warmup_epochs,
+            optim.epochs,
+            run_warmup(optim.warmup_epochs, optim.epochs),
+            optim.warmup_epochs,
+            level=logging.WARNING,
+        )
 
 
 def _with_pipeline(cfg: Config, pipeline: str) -> Config:

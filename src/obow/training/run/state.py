@@ -1,17 +1,18 @@
 """What a run keeps and how it comes back: the run folder, the checkpoint of a run in progress, resumption.
 
-A run lives in one folder (``--out``): ``config.yaml`` (the resolved recipe), ``checkpoint.pt`` (the latest
-state, :mod:`obow.weights.checkpoint`'s format), ``checkpoint.prev.pt`` (the one before it, resumed from when the
-latest cannot be read), ``checkpoints/epoch_NNNN.pt`` (permanent copies every
-``train.keep_every`` epochs), ``log.jsonl``, ``tensorboard/`` and ``.obow.lock`` (:mod:`obow.training.lock`:
-one writer at a time). A checkpoint holds everything needed to continue exactly where the run stopped: the
-method's and the optimiser's state, the position in the epoch (:class:`RunState`), every process's random
-state and running sums of the epoch under way. It is written at step boundaries only (epoch ends, every
-``train.checkpoint_every`` steps, every ``train.checkpoint_minutes``, and after SIGINT / SIGTERM, which
-:func:`handle_signals` turns into a request the loop honours when the step under way is done; a step that
-compiles stops at once instead, keeping nothing: :mod:`obow.training.compiling`). Resuming
-refuses a recipe whose run-defining settings differ from the checkpoint's (:func:`check_same_run`); only
-:data:`RESUMABLE_CHANGES` may change.
+A run lives in one folder (``--out``): ``config.yaml`` (the resolved recipe), ``checkpoint.pt`` (the latest state,
+:mod:`obow.weights.checkpoint`'s format), ``checkpoint.prev.pt`` (the one before it, resumed from when the latest
+cannot be read), ``checkpoints/epoch_NNNN.pt`` (permanent copies every ``train.keep_every`` epochs), ``log.jsonl``,
+``tensorboard/``, ``images.tsv.gz`` (the training images' list, :mod:`obow.data.identity`), ``previous_attempt/``
+(the logs of an attempt that died before its first checkpoint, :func:`set_aside_attempt`) and ``.obow.lock``
+(:mod:`obow.training.lock`: one writer at a time). A checkpoint holds everything needed to continue exactly where
+the run stopped: the method's and the optimiser's state, the position in the epoch (:class:`RunState`), every
+process's random state and running sums of the epoch under way. It is written at step boundaries only (epoch ends,
+every ``train.checkpoint_every`` steps, every ``train.checkpoint_minutes``, and after SIGINT / SIGTERM, which
+:func:`handle_signals` turns into a request the loop honours when the step under way is done; a step that compiles
+stops at once instead, keeping nothing: :mod:`obow.training.compiling`). Resuming refuses a recipe whose
+run-defining settings differ from the checkpoint's (:func:`check_same_run`); only :data:`RESUMABLE_CHANGES` may
+change; and training images other than the checkpoint's, wherever they are (:func:`check_same_data`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
+import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +38,7 @@ from torch import nn
 
 from obow import distributed as D
 from obow.config import Config, from_dict, save_config, to_dict
+from obow.data.identity import LIST_NAME, DataIdentity, compare, read_list, write_list
 from obow.files import make_folder, writing
 from obow.training.run.logger import log_main
 from obow.weights.checkpoint import build_checkpoint, load_checkpoint, load_resumable, place_copy, save_atomic
@@ -51,6 +55,7 @@ RESUMABLE_CHANGES = {
     "data.num_workers",
     "data.pin_memory",
     "data.cache_dir",
+    "data.on_change",
     "data.val_path",
     "train.device",
     "train.compile",
@@ -106,6 +111,8 @@ class RunState:
     epoch_steps: int = 0
     epoch_seconds: float = 0.0
     segment_start: float = field(default_factory=time.time)
+    #: The training images' identity (:attr:`obow.data.identity.DataIdentity.record`), kept in each checkpoint.
+    data: dict[str, Any] | None = None
 
     def epoch_time(self) -> float:
         """Seconds spent in the epoch under way, across resumptions (the time between them not counted)."""
@@ -140,24 +147,33 @@ def started_config(out: Path) -> dict[str, Any] | None:
     return load_checkpoint(checkpoint).get("config") or {}
 
 
-def open_run(cfg: Config, out: Path) -> dict[str, Any] | None:
-    """The checkpoint of the run in ``out`` (``None`` for a new run), checked against ``cfg``; the folder is
-    created, ``config.yaml`` written, and what a killed process left behind cleared: half-written checkpoint
-    files, and log records of iterations after the checkpoint (a resumed run computes them again)."""
+def open_run(cfg: Config, out: Path, identity: DataIdentity) -> dict[str, Any] | None:
+    """The checkpoint of the run in ``out`` (``None`` for a new run), checked against ``cfg`` and against the
+    training images' ``identity`` (:func:`check_same_data`); the folder is created, ``config.yaml`` written (and
+    the list of the images, :data:`~obow.data.identity.LIST_NAME`, when it is new), and what a killed process
+    left behind cleared: half-written checkpoint files, log records of iterations after the checkpoint (a
+    resumed run computes them again), and the logs of an attempt that wrote no checkpoint
+    (:func:`set_aside_attempt`)."""
     path = out / "checkpoint.pt"
     found = load_resumable(path)
     ckpt, source = found if found is not None else (None, None)
     extended_from = None
     if ckpt is not None:
-        extended_from = check_same_run(cfg, ckpt["config"], path)
+        # a checkpoint with its images' record keeps the warm-up asked (both came in with issue 60)
+        extended_from = check_same_run(cfg, ckpt["config"], path, warmup_as_asked="data" in ckpt)
         if "optimizer" not in ckpt:
             raise RunError(
                 f"{path} holds weights but no training state (written by obow import-official?): it can be "
                 "evaluated and exported, not resumed; use another --out for a new run"
             )
+        check_same_data(cfg, ckpt, out, identity)
     if D.is_main_process():
+        if ckpt is None:
+            set_aside_attempt(out)
         make_folder(out)
         save_config(cfg, out / "config.yaml")
+        if ckpt is None or (ckpt.get("data") or {}).get("digest") != identity.digest:
+            write_list(identity, out / LIST_NAME)
         for stale in [*out.glob(".checkpoint*.pt.*.tmp"), *out.glob("checkpoints/.epoch_*.pt.*.tmp")]:
             stale.unlink()
         if source is not None and source != path:  # the damaged file goes: the next write must not keep it
@@ -168,6 +184,100 @@ def open_run(cfg: Config, out: Path) -> dict[str, Any] | None:
             assert ckpt is not None  # a run is extended from its checkpoint
             note_plan_change(out / "log.jsonl", ckpt["iteration"], extended_from, cfg.optim.epochs)
     return ckpt
+
+
+def check_out_outside_data(cfg: Config, out: Path) -> None:
+    """A :class:`RunError` when the run folder ``out`` is ``data.path`` or inside it: the run's own files (the
+    pictures of ``obow show``, exports) would be read as training images. Checked before anything is written."""
+    if cfg.data.path is None:
+        return
+    data, run = Path(os.path.realpath(cfg.data.path)), Path(os.path.realpath(out))
+    if run == data or data in run.parents:
+        raise RunError(
+            f"--out {out} is inside --data {cfg.data.path} (data.path): the run's own files (pictures, exports) "
+            "would become training images; give an --out outside the data folder: nothing was written"
+        )
+
+
+def set_aside_attempt(out: Path) -> None:
+    """Start a new run's logs afresh in ``out``, where an earlier attempt left logs but no checkpoint (killed
+    before its first one): its ``log.jsonl``, ``tensorboard/`` and ``config.yaml`` move to
+    ``previous_attempt/`` (replacing what an older attempt left there), so that the new run's curves do not
+    continue the dead one's."""
+    left = [out / name for name in ("log.jsonl", "tensorboard") if (out / name).exists()]
+    if not left:
+        return
+    aside = out / "previous_attempt"
+    with writing(aside):
+        if aside.exists():
+            shutil.rmtree(aside)
+        aside.mkdir()
+        if (out / "config.yaml").is_file():
+            left.append(out / "config.yaml")
+        for item in left:
+            item.rename(aside / item.name)
+    log.warning(
+        "%s holds the logs of an earlier attempt that wrote no checkpoint: moved to %s; this run starts its logs "
+        "afresh",
+        out,
+        aside,
+    )
+
+
+def check_same_data(cfg: Config, ckpt: dict[str, Any], out: Path, identity: DataIdentity) -> None:
+    """Check that the training images (``identity``, of ``data.path``) are those the checkpoint ``ckpt`` of the
+    run in ``out`` was trained on, by their names and sizes (:mod:`obow.data.identity`), not by their folder:
+
+    - the same images under another ``data.path`` (a moved or remounted folder): the run resumes, and one line
+      says so;
+    - other images (added, removed, changed in size): a :class:`RunError` naming what changed, how to start over
+      (another ``--out``) and how to go on (``data.on_change=continue``); with ``data.on_change: continue``, one
+      warning line says what changed and the run continues on the images now there;
+    - a checkpoint written before obow recorded its images: resumed on its own ``data.path`` only."""
+    before = ((ckpt.get("config") or {}).get("data") or {}).get("path")
+    now = cfg.data.path
+    moved = before is not None and now is not None and os.path.realpath(before) != os.path.realpath(now)
+    record = ckpt.get("data")
+    if record is None:
+        if moved:
+            raise RunError(
+                f"{out / 'checkpoint.pt'} was trained on data.path {before}, not {now}, and written before obow "
+                f"recorded which images a run trains on, so the two cannot be compared: resume with --data {before}, "
+                "or use another --out for a new run"
+            )
+        return
+    where = f"{now} (data.path{f'; it was {before}' if moved else ''})"
+    if record["digest"] == identity.digest:
+        if moved:
+            log_main(
+                "data.path is now %s, was %s: the same %d images (names and sizes), resuming",
+                now,
+                before,
+                len(identity.files),
+            )
+        return
+    known = read_list(out / LIST_NAME, record["digest"])
+    if known is not None:
+        what = compare(known, identity.files).describe()
+    else:
+        what = (
+            f"{len(identity.files)} images now, {record['images']} then (the list that would say which, "
+            f"{out / LIST_NAME}, is missing or lists other images)"
+        )
+    said = f"the training images in {where} are not those the run in {out} was trained on: {what}"
+    if cfg.data.on_change != "continue":
+        raise RunError(
+            f"{said}. Start a new run with another --out, or continue this one on the images now there with "
+            "data.on_change=continue"
+        )
+    batch = cfg.data.batch_size
+    steps = (record["images"] // batch, len(identity.files) // batch)
+    per_epoch = f"; steps per epoch {steps[0]} -> {steps[1]}: the schedules follow the new count" * (
+        steps[0] != steps[1]
+    )
+    log_main(
+        "%s; continuing on the images now there (data.on_change=continue)%s", said, per_epoch, level=logging.WARNING
+    )
 
 
 def note_plan_change(log_path: Path, iteration: int, before: int, after: int) -> None:
@@ -205,7 +315,9 @@ def restore(
         scaler.load_state_dict(ckpt["scaler"])
     set_rng_state(this_process(ckpt["rng"]))
     progress = ckpt.get("epoch_progress") or {}  # absent from version-1 checkpoints, which had none
-    epoch, batch = ckpt["epoch"], ckpt["batch_in_epoch"]
+    epoch, batch = ckpt["epoch"], min(ckpt["batch_in_epoch"], iters_per_epoch)
+    if epoch * iters_per_epoch + batch != ckpt["iteration"]:
+        realign_iteration(model, epoch * iters_per_epoch + batch)
     return RunState(
         epoch=epoch,
         batch_in_epoch=batch,
@@ -217,6 +329,16 @@ def restore(
         epoch_steps=progress.get("steps", 0),
         epoch_seconds=progress.get("seconds", 0.0),
     )
+
+
+def realign_iteration(model: nn.Module, iteration: int) -> None:
+    """Set the model's ``iteration`` buffer (of the methods that keep one) to ``iteration``, where the run
+    continues when the steps per epoch changed with its training images (``data.on_change: continue``): the epoch
+    under way continues at the same batch of the new count (at its end, when the new epoch is shorter than
+    that), and the iteration is counted as the new plan counts it."""
+    buffer = getattr(model, "iteration", None)
+    if isinstance(buffer, torch.Tensor):
+        buffer.fill_(iteration)
 
 
 def this_process(per_process: list[Any]) -> Any:
@@ -268,22 +390,27 @@ def save_run(
         skipped_images=sorted(state.skipped),
         tiny_images=sorted(state.tiny),
         history=state.history,
+        **({"data": state.data} if state.data is not None else {}),
     )
     save_atomic(ckpt, out / "checkpoint.pt", keep_previous=True)
     if state.batch_in_epoch == 0 and cfg.train.keep_every and state.epoch % cfg.train.keep_every == 0:
         save_atomic(ckpt, out / "checkpoints" / f"epoch_{state.epoch:04d}.pt")
 
 
-def check_same_run(cfg: Config, saved: dict[str, Any], path: Path) -> int | None:
+def check_same_run(cfg: Config, saved: dict[str, Any], path: Path, *, warmup_as_asked: bool = False) -> int | None:
     """Refuse to resume a checkpoint whose run-defining settings differ from ``cfg``; one change is allowed,
-    a larger ``optim.epochs`` (extending the run: the checkpoint's planned epochs are returned, else ``None``)."""
+    a larger ``optim.epochs`` (extending the run: the checkpoint's planned epochs are returned, else ``None``).
+    ``data.path`` is left to :func:`check_same_data`. Unless ``warmup_as_asked`` (the checkpoint's configuration
+    holds the warm-up asked for), ``optim.warmup_epochs`` is read as :func:`as_asked` says."""
     try:  # settings added after the checkpoint was written count as their defaults, or as what the run did
         saved = to_dict(from_dict(Config, as_it_ran(saved)))
     except ValueError:
         pass
-    now, before = flatten(to_dict(cfg)), flatten(saved)
+    now, before = flatten(to_dict(cfg)), flatten(saved if warmup_as_asked else as_asked(saved, cfg))
     changed = sorted(
-        k for k in now.keys() | before.keys() if now.get(k) != before.get(k) and k not in RESUMABLE_CHANGES
+        k
+        for k in now.keys() | before.keys()
+        if now.get(k) != before.get(k) and k not in RESUMABLE_CHANGES and k != "data.path"  # check_same_data's
     )
     extended_from = None
     if "optim.epochs" in changed and now["optim.epochs"] > before["optim.epochs"]:
@@ -304,6 +431,18 @@ def as_it_ran(saved: dict[str, Any]) -> dict[str, Any]:
     model, moco = saved.get("model") or {}, saved.get("moco") or {}
     if model.get("method") == "mocov2" and "bn_splits" not in moco:
         return {**saved, "moco": {**moco, "bn_splits": 1}}
+    return saved
+
+
+def as_asked(saved: dict[str, Any], cfg: Config) -> dict[str, Any]:
+    """A run's saved configuration with ``optim.warmup_epochs`` as its user asked for it: obow once saved the
+    warm-up it shortened for a run not longer than it (half the run, now :func:`obow.schedules.run_warmup` at
+    each step, the recipe keeping what was asked), so that such a checkpoint holds half its ``optim.epochs``. Met
+    with a warm-up asked now that this rule shortens to the same value over the saved run, it is that value."""
+    optim = saved.get("optim") or {}
+    epochs, warmup, asked = optim.get("epochs"), optim.get("warmup_epochs"), cfg.optim.warmup_epochs
+    if isinstance(epochs, int) and warmup == epochs / 2 and asked >= epochs:
+        return {**saved, "optim": {**optim, "warmup_epochs": asked}}
     return saved
 
 

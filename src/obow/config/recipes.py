@@ -26,12 +26,17 @@ def available_recipes() -> dict[str, str]:
 def _read_yaml(path: Path) -> dict[str, Any]:
     with open(path) as f:
         try:
-            raw = yaml.safe_load(f) or {}
+            raw = yaml.safe_load(f)
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ConfigError(f"{where}: not valid YAML: {problem}") from None
+    if raw is None:  # taken as obow's defaults, it would be the paper's ResNet-50 run, hours a step on a CPU
+        raise ConfigError(
+            f"recipe {path} is empty: write its settings in it, or start from a built-in one with 'base: NAME' "
+            "(obow recipes lists them)"
+        )
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of settings, got {type(raw).__name__}")
     return raw

@@ -23,10 +23,9 @@ A run is settled, built, then trained: its ``auto`` settings and threads resolve
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -40,6 +39,7 @@ from obow.data.folders import TINY_UPSCALE, EpochSampler, ImageList, scan_images
 from obow.methods.base import Method
 from obow.notices import release_notices
 from obow.schedules import learning_rate
+from obow.training.budget_check import check_budget, check_view_sizes, out_of_memory
 from obow.training.build import (
     build_data,
     build_model,
@@ -48,6 +48,7 @@ from obow.training.build import (
     setup_process,
 )
 from obow.training.compiling import CompileWatch
+from obow.training.guards import RunGuard, kept_checkpoint
 from obow.training.lock import RunLock
 from obow.training.logger import RunLogger, log_interval, log_main, logged_step, logged_steps
 from obow.training.settle import SettledRun, settle_run
@@ -134,10 +135,15 @@ class Run:
     boundary: StepBoundary
     step: TrainingStep  # eager, compiled or graphed (train.compile), chosen once by build_step
     watch: CompileWatch | None = None  # what a compiling step says, and a signal stopping it at once
+    guard: RunGuard = field(default_factory=RunGuard)  # a non-finite loss stops the run, a collapse is warned of
+    saved_at: int | None = None  # the iteration of the checkpoint on disk (None: none yet)
 
     def save(self, state: RunState) -> None:
-        """The checkpoint of ``state``; every process calls it at the same step boundary."""
+        """The checkpoint of ``state``, unless a loss since the last one was not finite (:class:`RunError`); every
+        process calls it at the same step boundary."""
+        self.guard.check(self.out, self.saved_at, self.device, self.model)
         save_run(self.out, self.cfg, self.model, self.optimizer, self.scaler, state)
+        self.saved_at = state.iteration
         self.boundary.saved()
 
 
@@ -190,6 +196,8 @@ def train_in_lock(
     """:func:`run_pretraining`'s work once the run folder is locked and the run settled, on the training ``images``
     it found: build, then train."""
     cfg = settled.cfg
+    check_view_sizes(cfg, images.paths)
+    check_budget(cfg, device, len(images) // cfg.data.batch_size)  # a run that cannot fit is refused here
     ckpt = open_run(cfg, out)
     images, sampler, loader = build_data(cfg, device, images, pipeline=settled.pipeline)
     iters_per_epoch = len(images) // cfg.data.batch_size
@@ -218,9 +226,17 @@ def train_in_lock(
         boundary = StepBoundary(signals, cfg.train.checkpoint_minutes, device)
         step = build_step(cfg, model, step_model, optimizer, scaler, device)
         parts = (model, step_model, optimizer, scaler, sampler, loader, iters_per_epoch, logger, boundary, step)
-        run = Run(cfg, out, device, *parts, watch=watch)
+        run = Run(cfg, out, device, *parts, watch=watch, saved_at=state.iteration if ckpt is not None else None)
         try:
             train_epochs(run, state, epoch_monitor)
+        except KeyboardInterrupt as abort:  # a second signal (handle_signals)
+            log_main(
+                "a second signal (%s): aborted at once, without a checkpoint of the steps since the last one; %s",
+                abort.args[0] if abort.args else "SIGINT",
+                kept_checkpoint(out, run.saved_at),
+                level=logging.WARNING,
+            )
+            raise
         except Interrupted:
             if state.epoch >= cfg.optim.epochs:
                 log_main(
@@ -236,6 +252,10 @@ def train_in_lock(
                     state.epoch + 1,
                     state.batch_in_epoch,
                 )
+            raise
+        except RuntimeError as err:
+            if (oom := out_of_memory(err, cfg)) is not None:
+                raise oom from None
             raise
         finally:
             logger.close()
@@ -288,6 +308,7 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
         run.model.host_iteration = state.iteration  # the model's iteration, counted here: no read of the device's
         with run.watch.step(state.iteration + 1):
             metrics = train_step(run, batch["image"], lr)
+        run.guard.note(metrics["loss"], state.iteration + 1, lr)
         state.iteration += 1
         state.batch_in_epoch += 1
         state.epoch_steps += 1
@@ -296,11 +317,8 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
         note_skipped(state, batch["skipped"], batch.get("tiny", ()))
         if logged:
             values = {k: float(v) for k, v in metrics.items()}
-            if not math.isfinite(values["loss"]):
-                raise RunError(
-                    f"the loss became {values['loss']} at iteration {state.iteration}; the last good checkpoint "
-                    f"is {run.out / 'checkpoint.pt'} (lower optim.lr or use train.precision=fp32)"
-                )
+            run.guard.check(run.out, run.saved_at, run.device)
+            run.guard.logged(values, state.iteration)
             run.logger.step(epoch, state.iteration, lr, values, len(state.skipped), cfg.data.batch_size)
         progress.update(cfg.data.batch_size, metrics, lr, logged)
         if state.batch_in_epoch < run.iters_per_epoch:  # the epoch's end has its own checkpoint and check

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import signal
 import time
@@ -386,13 +387,27 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-#: Signals this close after the first count as the same request: a terminal's Ctrl-C reaches ``torchrun`` and
-#: its workers, and ``torchrun`` passes it on to them, so each worker receives it twice at once.
+#: The signals that stop a run at a step boundary: Ctrl-C, a scheduler's or ``kill``'s SIGTERM, and SIGHUP (the
+#: terminal closed, the ssh connection dropped), which would otherwise end the process at once without a checkpoint.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+#: In a process whose parent passes signals on (a ``torchrun`` worker, an ``obow tables run --jobs`` process), a
+#: repeat this close after the first counts as the same request: a terminal's Ctrl-C reaches the parent and its
+#: workers, and the parent passes it on to them, so each worker receives it twice at once. Elsewhere a second
+#: signal aborts at once, however soon it comes.
 SAME_REQUEST_SECONDS = 1.0
 
 
+def signals_passed_on() -> bool:
+    """Whether this process's parent passes its signals on to it: a ``torchrun`` worker (``TORCHELASTIC_RUN_ID``),
+    or a process started by ``multiprocessing`` (``obow tables run --jobs``)."""
+    import multiprocessing
+
+    return "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None
+
+
 class SignalFlag:
-    """The first SIGINT / SIGTERM received by this process (:attr:`received`: its name, or ``None``) and when
+    """The first SIGINT / SIGTERM / SIGHUP received by this process (:attr:`received`: its name, or ``None``) and when
     (:attr:`at`, ``time.monotonic()``); :attr:`doing` names what the loop finishes before its checkpoint (the
     step under way, or the end-of-epoch monitor, which can take minutes on a CPU), for the message a signal
     prints. While :attr:`abort` is set (a step compiling, :mod:`obow.training.compiling`), the first signal
@@ -417,13 +432,15 @@ class SignalFlag:
 
 
 @contextlib.contextmanager
-def handle_signals(announce: bool = True) -> Iterator[SignalFlag]:
-    """Note the first SIGINT or SIGTERM in the flag this yields, so that the loop finishes the step under way,
-    writes a checkpoint at the step boundary and stops (:class:`Interrupted`). Another signal, later than
-    :data:`SAME_REQUEST_SECONDS` after the first, aborts at once with ``KeyboardInterrupt``: a checkpoint being
-    written is then dropped and the previous one stays whole. ``announce`` logs what the first signal does
-    (the main process)."""
+def handle_signals(announce: bool = True, repeat_window: float | None = None) -> Iterator[SignalFlag]:
+    """Note the first SIGINT, SIGTERM or SIGHUP (:data:`STOP_SIGNALS`) in the flag this yields, so that the loop
+    finishes the step under way, writes a checkpoint at the step boundary and stops (:class:`Interrupted`). A
+    second signal aborts at once with ``KeyboardInterrupt``: a checkpoint being written is then dropped and the
+    previous one stays whole. Only a repeat within ``repeat_window`` seconds of the first counts as the same
+    request (default: :data:`SAME_REQUEST_SECONDS` where :func:`signals_passed_on`, else none). ``announce`` logs
+    what the first signal does (the main process)."""
     flag = SignalFlag()
+    window = repeat_window if repeat_window is not None else SAME_REQUEST_SECONDS if signals_passed_on() else 0.0
 
     def note(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
@@ -433,11 +450,11 @@ def handle_signals(announce: bool = True) -> Iterator[SignalFlag]:
                 raise flag.abort(name)
             if announce:
                 log.warning("%s: finishing %s, then writing a checkpoint (again to abort)", name, flag.doing)
-        elif time.monotonic() - flag.at > SAME_REQUEST_SECONDS:
+        elif time.monotonic() - flag.at >= window:
             raise KeyboardInterrupt(name)
 
     try:
-        previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, note) for s in STOP_SIGNALS}
     except ValueError:  # not the main thread: leave signals alone
         yield flag
         return

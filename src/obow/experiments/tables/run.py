@@ -330,7 +330,7 @@ def run_in_order(tasks: list[Task], body: Callable[[Task], Any], finished: Calla
         raise Interrupted(name)
 
     try:
-        previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     except ValueError:  # not the main thread: leave signals alone
         previous = {}
     try:
@@ -397,7 +397,7 @@ def run_in_processes(
                 os.kill(process.pid, signum)
 
     try:
-        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     except ValueError:  # not the main thread: leave signals alone
         previous = {}
     try:

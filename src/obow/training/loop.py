@@ -10,14 +10,16 @@ meets), backward, SGD step, run by the step ``train.compile`` chose (eager, comp
 
 Checkpoints are written only between two steps (:class:`StepBoundary`), so that each one is a state an
 uninterrupted run also passes through: at every epoch end, every ``train.checkpoint_every`` steps, every
-``train.checkpoint_minutes`` of training (so that a hard kill loses at most that much), and after SIGINT or
-SIGTERM, which let the step under way finish, write the checkpoint and stop (:class:`Interrupted`); a step
+``train.checkpoint_minutes`` of training (so that a hard kill loses at most that much), and after SIGINT,
+SIGTERM or SIGHUP, which let the step under way finish, write the checkpoint and stop (:class:`Interrupted`); a step
 that compiles (``train.compile``) stops at once instead, keeping nothing (:mod:`obow.training.compiling`).
 
 A run is settled, built, then trained: its ``auto`` settings and threads resolved once
 (:mod:`obow.training.settle`), then what it is built from (process, device, data, method, optimiser):
 :mod:`obow.training.build`; its arithmetic: :mod:`obow.training.precision`. Files in ``<out>``:
-:mod:`obow.training.state`; logs: :mod:`obow.training.logger`.
+:mod:`obow.training.state`; logs: :mod:`obow.training.logger`. What it will cost is said (and a run that cannot
+fit refused) before its first step: :mod:`obow.training.budget_check`; a diverging run stops before a checkpoint
+keeps it, a collapse is warned about: :mod:`obow.training.guards`.
 """
 
 from __future__ import annotations

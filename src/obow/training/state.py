@@ -7,7 +7,7 @@ latest cannot be read), ``checkpoints/epoch_NNNN.pt`` (permanent copies every
 one writer at a time). A checkpoint holds everything needed to continue exactly where the run stopped: the
 method's and the optimiser's state, the position in the epoch (:class:`RunState`), every process's random
 state and running sums of the epoch under way. It is written at step boundaries only (epoch ends, every
-``train.checkpoint_every`` steps, every ``train.checkpoint_minutes``, and after SIGINT / SIGTERM, which
+``train.checkpoint_every`` steps, every ``train.checkpoint_minutes``, and after SIGINT / SIGTERM / SIGHUP, which
 :func:`handle_signals` turns into a request the loop honours when the step under way is done; a step that
 compiles stops at once instead, keeping nothing: :mod:`obow.training.compiling`). Resuming
 refuses a recipe whose run-defining settings differ from the checkpoint's (:func:`check_same_run`); only
@@ -74,7 +74,8 @@ class RunError(RuntimeError):
 
 
 class Interrupted(Exception):
-    """Raised by the training loop at the step boundary after SIGINT / SIGTERM, once the checkpoint is written.
+    """Raised by the training loop at the step boundary after SIGINT / SIGTERM / SIGHUP, once the checkpoint is
+    written.
 
     ``signal`` names the signal (``None`` on a process that only learnt of it from another one)."""
 

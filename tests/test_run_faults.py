@@ -71,14 +71,14 @@ def test_saved_peak_is_the_most_autograd_holds_at_once():
 def test_the_cost_measured_on_small_steps_extrapolates_to_the_batch(tiny_recipe):
     """The activations measured on steps of 1 and 4 images, extended to the batch, equal what a real step of the
     whole batch keeps (counted the same way), to 5%."""
-    cfg = load_config(tiny_recipe, ["data.batch_size=16", "data.path=/unused", "train.precision=fp32"])
+    cfg = load_config(tiny_recipe, ["data.batch_size=8", "data.path=/unused", "train.precision=fp32"])
     states, activations, seconds, _ = measure_step(cfg, torch.device("cpu"))
     from obow.methods import build_method
     from obow.training.precision import precision_context
     from obow.training.steps import forward_backward, to_device
 
     model = build_method(cfg, total_iterations=1000, resuming=True).train()
-    teacher, views = to_device(budget_check.probe_batch(cfg, 16), torch.device("cpu"), False)
+    teacher, views = to_device(budget_check.probe_batch(cfg, 8), torch.device("cpu"), False)
     with SavedPeak().watching() as saved:
         forward_backward(model, teacher, views, None, precision_context("fp32", torch.device("cpu")), True)
     assert activations == pytest.approx(saved.peak, rel=0.05)
@@ -273,6 +273,13 @@ def test_a_second_signal_aborts_at_once_and_a_repeat_passed_on_by_a_parent_does_
         deliver(signal.SIGINT)
         assert flag.received == "SIGINT"
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup: the hang-up stays ignored
+    try:
+        with handle_signals() as flag:
+            deliver(signal.SIGHUP)
+            assert flag.received is None
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def take_terminal(slave: int):

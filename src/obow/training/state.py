@@ -399,6 +399,11 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 SAME_REQUEST_SECONDS = 1.0
 
 
+def nohup(signum: int) -> bool:
+    """Whether ``signum`` is a SIGHUP the process was started ignoring (``nohup``), which obow leaves ignored."""
+    return signum == signal.SIGHUP and signal.getsignal(signum) is signal.SIG_IGN
+
+
 def signals_passed_on() -> bool:
     """Whether this process's parent passes its signals on to it: a ``torchrun`` worker (``TORCHELASTIC_RUN_ID``),
     or a process started by ``multiprocessing`` (``obow tables run --jobs``)."""
@@ -438,8 +443,9 @@ def handle_signals(announce: bool = True, repeat_window: float | None = None) ->
     finishes the step under way, writes a checkpoint at the step boundary and stops (:class:`Interrupted`). A
     second signal aborts at once with ``KeyboardInterrupt``: a checkpoint being written is then dropped and the
     previous one stays whole. Only a repeat within ``repeat_window`` seconds of the first counts as the same
-    request (default: :data:`SAME_REQUEST_SECONDS` where :func:`signals_passed_on`, else none). ``announce`` logs
-    what the first signal does (the main process)."""
+    request (default: :data:`SAME_REQUEST_SECONDS` where :func:`signals_passed_on`, else none). SIGHUP stays
+    ignored where it is (under ``nohup``: the run goes on). ``announce`` logs what the first signal does (the main
+    process)."""
     flag = SignalFlag()
     window = repeat_window if repeat_window is not None else SAME_REQUEST_SECONDS if signals_passed_on() else 0.0
 
@@ -455,7 +461,7 @@ def handle_signals(announce: bool = True, repeat_window: float | None = None) ->
             raise KeyboardInterrupt(name)
 
     try:
-        previous = {s: signal.signal(s, note) for s in STOP_SIGNALS}
+        previous = {s: signal.signal(s, note) for s in STOP_SIGNALS if not nohup(s)}
     except ValueError:  # not the main thread: leave signals alone
         yield flag
         return

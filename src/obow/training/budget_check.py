@@ -5,7 +5,7 @@ The paper's recipe (ResNet-50, batch 256, 224 px teacher, 2 crops and 5 patches)
 kernel for memory without a word (exit 137). :func:`check_budget` measures the run's step before it starts:
 
 * the memory: the weights, buffers, gradients and momentum of the method (counted), plus the activations of a
-  step, on a line through steps of 1 and 4 images out to ``data.batch_size``: on a CPU the most bytes kept at
+  step, on a line through steps of 1 and 2 images out to ``data.batch_size``: on a CPU the most bytes kept at
   once for the backward pass
   (through ``torch.autograd.graph.saved_tensors_hooks``, view groups back-propagated one by one as the run does),
   which leaves out temporary buffers (e.g. the teacher's distances to the vocabulary), so it is a floor; on a GPU
@@ -18,7 +18,7 @@ kernel for memory without a word (exit 137). :func:`check_budget` measures the r
 
 A run whose estimate is above :data:`REFUSE_ABOVE` of what is available is refused with one line naming what to
 lower; above :data:`WARN_ABOVE`, warned about. The measurement costs three small steps on a model built for it
-(6 images in all), so it is made only where a generous bound (:func:`rough_bound`) says the run may need more
+(4 images in all), so it is made only where a generous bound (:func:`rough_bound`) says the run may need more
 than a quarter of the memory available; the random generators are left as they were.
 
 An out-of-memory error during training still happens where the estimate is low (temporary buffers, another job
@@ -53,7 +53,7 @@ WARN_ABOVE = 0.8
 #: (ResNet-50 keeps about 3 kB per pixel of its input: about 150 MB for a 224 px image).
 BYTES_PER_PIXEL = 4096
 #: The images of the larger of the two steps measured (:func:`measure_step`).
-PROBE_IMAGES = 4
+PROBE_IMAGES = 2
 #: The step is measured only when :func:`rough_bound` is above a quarter of the memory available, or this where
 #: that is unknown (a test-sized run is not measured).
 MEASURE_FROM = 1 << 30
@@ -187,6 +187,7 @@ def measure_step(cfg: Config, device: torch.device) -> tuple[int, int, float, st
     from obow.training.steps import forward_backward, to_device
 
     model = build_method(cfg, total_iterations=1000, resuming=True).to(device).train()
+    model.diagnose = False  # as on most steps of a run: the diagnostics are computed on the logged ones
     states = state_bytes(model)
     per_group = cfg.train.backward_per_group and model.supports_groups
     peaks: dict[int, int] = {}

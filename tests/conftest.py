@@ -184,7 +184,13 @@ def write_checkpoint(path, arch="resnet18", stem="cifar", size=32, epoch=3, iter
 
     cfg = Config(
         model=ModelConfig(arch=arch, stem=stem, arch_options=options or {}, levels=("conv4",), num_words=16, border=0),
-        views=ViewsConfig(teacher_resize=size, teacher_size=size, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25)),
+        views=ViewsConfig(
+            teacher_resize=size,
+            teacher_size=size,
+            crop_size=min(160, size),
+            mean=(0.5, 0.5, 0.5),
+            std=(0.25, 0.25, 0.25),
+        ),
         data=DataConfig(batch_size=16),
     )
     model = OBoW.from_config(cfg.model, total_iterations=100)

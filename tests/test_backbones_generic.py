@@ -104,7 +104,7 @@ def test_config_accepts_prefixed_names_and_rejects_bad_ones():
     with pytest.raises(ConfigError, match="conv5 BoW map is 1x1"):
         Config(
             model=ModelConfig(arch="timm:regnetx_002"),
-            views=ViewsConfig(teacher_resize=110, teacher_size=96),
+            views=ViewsConfig(teacher_resize=110, teacher_size=96, crop_size=68),
             data=DataConfig(batch_size=256),
         )
 

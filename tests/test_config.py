@@ -88,7 +88,7 @@ def test_unknown_keys_and_bad_values_name_the_key_and_what_is_allowed():
 def test_small_bow_maps_are_rejected_with_the_keys_to_change():
     # 96 px with the standard stem: conv5 is 3x3, 1x1 after border removal
     with pytest.raises(ConfigError, match=r"conv5 BoW map is 1x1 .*views.teacher_size=96.*model.stem='torchvision'"):
-        load_config(PAPER_R50, ["views.teacher_size=96", "views.teacher_resize=110"])
+        load_config(PAPER_R50, ["views.teacher_size=96", "views.teacher_resize=110", "views.crop_size=68"])
     # CIFAR stem at 32 px: 4x4, 2x2 after border removal
     with pytest.raises(ConfigError, match=r"conv5 BoW map is 2x2"):
         load_config("cifar10_resnet18", ["views.teacher_size=32"])

@@ -316,7 +316,9 @@ def deliver(signum: int) -> None:
 
 
 def test_first_signal_is_noted_a_repeat_at_once_is_the_same_and_a_later_one_aborts(caplog):
-    with caplog.at_level("WARNING", logger="obow"), handle_signals() as flag:
+    """Where a parent passes signals on (torchrun's window; alone, a second signal aborts at once:
+    test_run_faults.py)."""
+    with caplog.at_level("WARNING", logger="obow"), handle_signals(repeat_window=SAME_REQUEST_SECONDS) as flag:
         assert flag.received is None
         deliver(signal.SIGTERM)
         assert flag.received == "SIGTERM"

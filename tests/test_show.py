@@ -32,7 +32,7 @@ from obow.show.words import (
 from obow.weights.load import NETWORKS
 
 STRIDE = 8
-VIEWS = ViewsConfig(teacher_resize=32, teacher_size=32, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
+VIEWS = ViewsConfig(teacher_resize=32, teacher_size=32, crop_size=24, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
 
 
 class PoolBackbone(nn.Module):
@@ -101,7 +101,7 @@ def test_streamed_top8_equals_numpy_brute_force(tmp_path):
     (tmp_path / "img").mkdir()
     for i in range(7):
         Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(tmp_path / "img" / f"{i}.png")
-    views = ViewsConfig(teacher_resize=40, teacher_size=40, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
+    views = ViewsConfig(teacher_resize=40, teacher_size=40, crop_size=28, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
     dataset = eval_dataset(tmp_path / "img", views, labels="none")
     words = torch.randn(6, 3) * 0.3
     vocabulary = LevelVocabulary("conv5", words, delta=0.05, border=1)

@@ -20,12 +20,17 @@ from torch import Tensor
 
 @torch.no_grad()
 def effective_rank(features: Tensor, eps: float = 1e-12) -> Tensor:
-    """``exp(H(p))`` with ``p = s / sum(s)``, ``s`` the singular values of ``features`` ``[N, D]``."""
+    """``exp(H(p))`` with ``p = s / sum(s)``, ``s`` the singular values of ``features`` ``[N, D]``; ``nan`` when a
+    feature is not finite (a diverged run, which the loop then stops: the SVD would fail on it), decided on the
+    device without reading it."""
     if features.dim() != 2 or min(features.shape) < 1:
         raise ValueError(f"features must be [N, D] with N, D >= 1, got {tuple(features.shape)}")
-    s = torch.linalg.svdvals(features.double())
+    x = features.double()
+    finite = torch.isfinite(x).all()
+    s = torch.linalg.svdvals(torch.where(finite, x, 0.0))
     p = s / s.sum().clamp_min(eps)
-    return torch.exp(-torch.special.xlogy(p, p).sum()).float()
+    rank = torch.exp(-torch.special.xlogy(p, p).sum())
+    return torch.where(finite, rank, torch.nan).float()
 
 
 @torch.no_grad()

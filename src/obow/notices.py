@@ -70,7 +70,7 @@ class DropMessage(logging.Filter):
 
 #: PyTorch's ``No CUDA runtime is found, using CUDA_HOME=...``, logged by its C++ extension set-up, which a
 #: compile imports: on a machine with a CUDA toolkit but no usable GPU, i.e. a CPU run, where it is nothing to act
-#: on. :class:`obow.training.compiling.CompileWatch` puts this filter on :data:`CPP_EXTENSION_LOGGER` while a run
+#: on. :class:`obow.training.step.watch.CompileWatch` puts this filter on :data:`CPP_EXTENSION_LOGGER` while a run
 #: compiles.
 NO_CUDA_RUNTIME = DropMessage("No CUDA runtime is found")
 CPP_EXTENSION_LOGGER = "torch.utils.cpp_extension"

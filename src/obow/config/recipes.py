@@ -26,7 +26,7 @@ def available_recipes() -> dict[str, str]:
 def _read_yaml(path: Path) -> dict[str, Any]:
     with open(path, "rb") as f:  # bytes: PyYAML decodes them, and names the file when they are not text
         try:
-            raw = yaml.safe_load(f) or {}
+            raw = yaml.safe_load(f)
         except yaml.reader.ReaderError as err:  # bytes that are not UTF-8 (or UTF-16) text, or control characters
             raise ConfigError(
                 f"{path}: not a text file, so not a YAML recipe (character #x{err.character:02x} at byte "
@@ -37,6 +37,11 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ConfigError(f"{where}: not valid YAML: {problem}") from None
+    if raw is None:  # taken as obow's defaults, it would be the paper's ResNet-50 run, hours a step on a CPU
+        raise ConfigError(
+            f"recipe {path} is empty: write its settings in it, or start from a built-in one with 'base: NAME' "
+            "(obow recipes lists them)"
+        )
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of settings, got {type(raw).__name__}")
     return raw

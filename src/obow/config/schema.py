@@ -174,6 +174,12 @@ class ViewsConfig:
             raise ConfigError(
                 f"views.teacher_resize ({self.teacher_resize}) must be >= views.teacher_size ({self.teacher_size})"
             )
+        if self.num_crops and self.crop_size > self.teacher_size:
+            raise ConfigError(
+                f"views.crop_size ({self.crop_size}) must be <= views.teacher_size ({self.teacher_size}): the "
+                "student's crops are smaller views than the teacher's (the paper: 160 and 224 px); lower "
+                "views.crop_size"
+            )
         if self.num_patches and self.patch_grid_size < self.patch_size + self.patch_jitter:
             raise ConfigError(
                 f"views.patch_grid_size ({self.patch_grid_size}) must be >= views.patch_size + views.patch_jitter "

@@ -35,6 +35,8 @@ def views_from_dict(values: dict[str, Any] | None, resize: int | None = None, si
         values["teacher_resize"] = round(size * 256 / 224)
     if resize is not None:
         values["teacher_resize"] = resize
+    # the student's crops play no part in an evaluation: kept within the teacher's view, as a recipe's must be
+    values["crop_size"] = min(ViewsConfig.crop_size, values.get("teacher_size", ViewsConfig.teacher_size))
     return from_dict(ViewsConfig, values)
 
 

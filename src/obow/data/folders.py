@@ -458,8 +458,9 @@ def build_loader(
     )
 
 
-#: The signals a data worker leaves to the main process (:func:`ignore_interrupt`).
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: The signals a data worker leaves to the main process (:func:`ignore_interrupt`): SIGHUP too, which a closed
+#: terminal sends its whole foreground process group.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class _WorkerSafeLoader(DataLoader):

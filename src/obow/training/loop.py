@@ -1,32 +1,33 @@
 """``obow pretrain``: the training loop, readable top to bottom.
 
 :func:`pretrain` sets up the run (processes, device, data, method, optimiser), takes the run folder's lock
-(:mod:`obow.training.lock`: one writer at a time), resumes from ``<out>/checkpoint.pt`` when there is one
-(:mod:`obow.training.state`), then calls :func:`train_one_epoch` until the recipe's epochs are done. One step
+(:mod:`obow.training.run.lock`: one writer at a time), resumes from ``<out>/checkpoint.pt`` when there is one
+(:mod:`obow.training.run.state`), then calls :func:`train_one_epoch` until the recipe's epochs are done. One step
 (:func:`train_step`): the learning rate of the iteration, the method's forward pass (for OBoW: teacher EMA,
 BoW targets, vocabulary update, student loss; see :mod:`obow.methods.base` for the contract every method
 meets), backward, SGD step, run by the step ``train.compile`` chose (eager, compiled or graphed:
-:mod:`obow.training.steps`).
+:mod:`obow.training.step`).
 
 Checkpoints are written only between two steps (:class:`StepBoundary`), so that each one is a state an
 uninterrupted run also passes through: at every epoch end, every ``train.checkpoint_every`` steps, every
-``train.checkpoint_minutes`` of training (so that a hard kill loses at most that much), and after SIGINT or
-SIGTERM, which let the step under way finish, write the checkpoint and stop (:class:`Interrupted`); a step
-that compiles (``train.compile``) stops at once instead, keeping nothing (:mod:`obow.training.compiling`).
+``train.checkpoint_minutes`` of training (so that a hard kill loses at most that much), and after SIGINT,
+SIGTERM or SIGHUP, which let the step under way finish, write the checkpoint and stop (:class:`Interrupted`); a step
+that compiles (``train.compile``) stops at once instead, keeping nothing (:mod:`obow.training.step.watch`).
 
 A run is settled, built, then trained: its ``auto`` settings and threads resolved once
-(:mod:`obow.training.settle`), then what it is built from (process, device, data, method, optimiser):
-:mod:`obow.training.build`; its arithmetic: :mod:`obow.training.precision`. Files in ``<out>``:
-:mod:`obow.training.state`; logs: :mod:`obow.training.logger`.
+(:mod:`obow.training.run.settle`), then what it is built from (process, device, data, method, optimiser):
+:mod:`obow.training.build`; its arithmetic: :mod:`obow.training.run.precision`. Files in ``<out>``:
+:mod:`obow.training.run.state`; logs: :mod:`obow.training.run.logger`. What it will cost is said (and a run that cannot
+fit refused) before its first step: :mod:`obow.training.budget_check`; a diverging run stops before a checkpoint
+keeps it, a collapse is warned about: :mod:`obow.training.run.guards`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -41,6 +42,7 @@ from obow.data.identity import identify
 from obow.methods.base import Method
 from obow.notices import release_notices
 from obow.schedules import learning_rate
+from obow.training.budget_check import check_budget, check_view_sizes, out_of_memory
 from obow.training.build import (
     build_data,
     build_model,
@@ -48,6 +50,7 @@ from obow.training.build import (
     prepare_step_model,
     setup_process,
 )
+from obow.training.run.guards import RunGuard, kept_checkpoint
 from obow.training.run.lock import RunLock
 from obow.training.run.logger import RunLogger, log_interval, log_main, logged_step, logged_steps
 from obow.training.run.settle import SettledRun, settle_run
@@ -137,10 +140,15 @@ class Run:
     boundary: StepBoundary
     step: TrainingStep  # eager, compiled or graphed (train.compile), chosen once by build_step
     watch: CompileWatch | None = None  # what a compiling step says, and a signal stopping it at once
+    guard: RunGuard = field(default_factory=RunGuard)  # a non-finite loss stops the run, a collapse is warned of
+    saved_at: int | None = None  # the iteration of the checkpoint on disk (None: none yet)
 
     def save(self, state: RunState) -> None:
-        """The checkpoint of ``state``; every process calls it at the same step boundary."""
+        """The checkpoint of ``state``, unless a loss since the last one was not finite (:class:`RunError`); every
+        process calls it at the same step boundary."""
+        self.guard.check(self.out, self.saved_at, self.device, self.model)
         save_run(self.out, self.cfg, self.model, self.optimizer, self.scaler, state)
+        self.saved_at = state.iteration
         self.boundary.saved()
 
 
@@ -200,6 +208,8 @@ def train_in_lock(
     """:func:`run_pretraining`'s work once the run folder is locked and the run settled, on the training ``images``
     it found: build, then train."""
     cfg = settled.cfg
+    check_view_sizes(cfg, images.paths)
+    check_budget(cfg, device, len(images) // cfg.data.batch_size)  # a run that cannot fit is refused here
     identity = identify(images)
     ckpt = open_run(cfg, out, identity)
     data_record = identity.record
@@ -232,9 +242,17 @@ def train_in_lock(
         boundary = StepBoundary(signals, cfg.train.checkpoint_minutes, device)
         step = build_step(cfg, model, step_model, optimizer, scaler, device)
         parts = (model, step_model, optimizer, scaler, sampler, loader, iters_per_epoch, logger, boundary, step)
-        run = Run(cfg, out, device, *parts, watch=watch)
+        run = Run(cfg, out, device, *parts, watch=watch, saved_at=state.iteration if ckpt is not None else None)
         try:
             train_epochs(run, state, epoch_monitor)
+        except KeyboardInterrupt as abort:  # a second signal (handle_signals)
+            log_main(
+                "a second signal (%s): aborted at once, without a checkpoint of the steps since the last one; %s",
+                abort.args[0] if abort.args else "SIGINT",
+                kept_checkpoint(out, run.saved_at),
+                level=logging.WARNING,
+            )
+            raise
         except Interrupted:
             if state.epoch >= cfg.optim.epochs:
                 log_main(
@@ -250,6 +268,10 @@ def train_in_lock(
                     state.epoch + 1,
                     state.batch_in_epoch,
                 )
+            raise
+        except RuntimeError as err:
+            if (oom := out_of_memory(err, cfg)) is not None:
+                raise oom from None
             raise
         finally:
             logger.close()
@@ -303,6 +325,7 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
         assert run.watch is not None  # pretrain sets it
         with run.watch.step(state.iteration + 1):
             metrics = train_step(run, batch["image"], lr)
+        run.guard.note(metrics["loss"], state.iteration + 1, lr)
         state.iteration += 1
         state.batch_in_epoch += 1
         state.epoch_steps += 1
@@ -311,11 +334,8 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
         note_skipped(state, batch["skipped"], batch.get("tiny", ()))
         if logged:
             values = {k: float(v) for k, v in metrics.items()}
-            if not math.isfinite(values["loss"]):
-                raise RunError(
-                    f"the loss became {values['loss']} at iteration {state.iteration}; the last good checkpoint "
-                    f"is {run.out / 'checkpoint.pt'} (lower optim.lr or use train.precision=fp32)"
-                )
+            run.guard.check(run.out, run.saved_at, run.device)
+            run.guard.logged(values, state.iteration)
             run.logger.step(epoch, state.iteration, lr, values, len(state.skipped), cfg.data.batch_size)
         progress.update(cfg.data.batch_size, metrics, lr, logged)
         if state.batch_in_epoch < run.iters_per_epoch:  # the epoch's end has its own checkpoint and check
@@ -350,7 +370,7 @@ def step_boundary(run: Run, state: RunState) -> None:
 
 def train_step(run: Run, views: dict[str, torch.Tensor], lr: float) -> dict[str, torch.Tensor]:
     """One optimiser step at learning rate ``lr`` on a batch of views (the run's step: eager, compiled or graphed,
-    :mod:`obow.training.steps`); returns the step's detached metrics."""
+    :mod:`obow.training.step`); returns the step's detached metrics."""
     teacher_images, student_views = to_device(views, run.device, run.cfg.train.channels_last)
     return run.step(teacher_images, student_views, lr)
 

@@ -23,6 +23,8 @@ A pretraining checkpoint is a ``torch.save`` dictionary of tensors and plain val
 ``history``        per-epoch summaries
 ``scaler``         the fp16 gradient scaler's state
 ``imported_from``  the authors' file, for a checkpoint written by ``obow import-official``
+``sha256``         the checksum of all the above (:mod:`obow.weights.checksum`), checked on every read and taken
+                   out of the dictionary read; absent from checkpoints written before it (still read)
 =================  ==========================================================================================
 
 Only ``format``, ``version``, ``config`` and ``model`` are needed to evaluate or export; the rest to resume.
@@ -50,6 +52,7 @@ from PIL import Image
 
 from obow.files import as_write_error, file_mode, sync_folder, writing
 from obow.notices import ObowWarning
+from obow.weights.checksum import seal, verify
 
 FORMAT = "obow-checkpoint"
 VERSION = 2  # 2: random states as tensors and plain values (weights_only loads), the epoch in progress
@@ -248,6 +251,8 @@ def _load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu")
         raise ValueError(f"{str(path)!r} is not an obow pretraining checkpoint: {describe(ckpt)}")
     if ckpt.get("version", 0) > VERSION:
         raise ValueError(f"{str(path)!r} has checkpoint version {ckpt['version']}; this obow reads up to {VERSION}")
+    if why := verify(ckpt, path):
+        raise UnreadableFile(f"cannot read checkpoint {str(path)!r}: {why}", why)
     return ckpt
 
 
@@ -289,7 +294,8 @@ def build_checkpoint(
     """The checkpoint dictionary (see the module docstring): ``config`` is the plain recipe
     (:func:`obow.config.to_dict`), ``model`` the method's ``state_dict``. The training state (``optimizer``,
     ``scaler``, ``rng``, ...) is left out when not given: such a checkpoint evaluates and exports but does not
-    resume. ``extra`` entries (e.g. ``imported_from``) are kept as they are."""
+    resume. ``extra`` entries (e.g. ``imported_from``) are kept as they are; the checksum is added last
+    (:func:`obow.weights.checksum.seal`)."""
     ckpt: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
@@ -310,4 +316,4 @@ def build_checkpoint(
     if scaler is not None:
         ckpt["scaler"] = scaler
     ckpt.update(extra)
-    return ckpt
+    return seal(ckpt)

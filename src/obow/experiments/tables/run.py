@@ -327,6 +327,7 @@ def run_in_order(tasks: list[Task], body: Callable[[Task], Any], finished: Calla
     :class:`~obow.training.loop.Interrupted`, and no later task starts: the finished tasks' results are kept, as
     is a trained row's complete checkpoint, which the same command then evaluates without training again."""
     from obow.training.loop import Interrupted
+    from obow.training.run.state import STOP_SIGNALS, nohup
 
     def stop(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
@@ -335,7 +336,7 @@ def run_in_order(tasks: list[Task], body: Callable[[Task], Any], finished: Calla
         raise Interrupted(name)
 
     try:
-        previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS if not nohup(s)}
     except ValueError:  # not the main thread: leave signals alone
         previous = {}
     try:
@@ -386,6 +387,7 @@ def run_in_processes(
     import multiprocessing.connection
 
     from obow.training.loop import Interrupted
+    from obow.training.run.state import STOP_SIGNALS, nohup
 
     context = multiprocessing.get_context("spawn")
     pending = list(tasks)
@@ -403,7 +405,7 @@ def run_in_processes(
                 os.kill(process.pid, signum)
 
     try:
-        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS if not nohup(s)}
     except ValueError:  # not the main thread: leave signals alone
         previous = {}
     try:

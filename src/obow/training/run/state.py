@@ -5,12 +5,12 @@ A run lives in one folder (``--out``): ``config.yaml`` (the resolved recipe), ``
 cannot be read), ``checkpoints/epoch_NNNN.pt`` (permanent copies every ``train.keep_every`` epochs), ``log.jsonl``,
 ``tensorboard/``, ``images.tsv.gz`` (the training images' list, :mod:`obow.data.identity`), ``previous_attempt/``
 (the logs of an attempt that died before its first checkpoint, :func:`set_aside_attempt`) and ``.obow.lock``
-(:mod:`obow.training.lock`: one writer at a time). A checkpoint holds everything needed to continue exactly where
+(:mod:`obow.training.run.lock`: one writer at a time). A checkpoint holds everything needed to continue exactly where
 the run stopped: the method's and the optimiser's state, the position in the epoch (:class:`RunState`), every
 process's random state and running sums of the epoch under way. It is written at step boundaries only (epoch ends,
-every ``train.checkpoint_every`` steps, every ``train.checkpoint_minutes``, and after SIGINT / SIGTERM, which
+every ``train.checkpoint_every`` steps, every ``train.checkpoint_minutes``, and after SIGINT / SIGTERM / SIGHUP, which
 :func:`handle_signals` turns into a request the loop honours when the step under way is done; a step that compiles
-stops at once instead, keeping nothing: :mod:`obow.training.compiling`). Resuming refuses a recipe whose
+stops at once instead, keeping nothing: :mod:`obow.training.step.watch`). Resuming refuses a recipe whose
 run-defining settings differ from the checkpoint's (:func:`check_same_run`); only :data:`RESUMABLE_CHANGES` may
 change; and training images other than the checkpoint's, wherever they are (:func:`check_same_data`).
 """
@@ -78,7 +78,8 @@ class RunError(RuntimeError):
 
 
 class Interrupted(Exception):
-    """Raised by the training loop at the step boundary after SIGINT / SIGTERM, once the checkpoint is written.
+    """Raised by the training loop at the step boundary after SIGINT / SIGTERM / SIGHUP, once the checkpoint is
+    written.
 
     ``signal`` names the signal (``None`` on a process that only learnt of it from another one)."""
 
@@ -527,16 +528,35 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-#: Signals this close after the first count as the same request: a terminal's Ctrl-C reaches ``torchrun`` and
-#: its workers, and ``torchrun`` passes it on to them, so each worker receives it twice at once.
+#: The signals that stop a run at a step boundary: Ctrl-C, a scheduler's or ``kill``'s SIGTERM, and SIGHUP (the
+#: terminal closed, the ssh connection dropped), which would otherwise end the process at once without a checkpoint.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+#: In a process whose parent passes signals on (a ``torchrun`` worker, an ``obow tables run --jobs`` process), a
+#: repeat this close after the first counts as the same request: a terminal's Ctrl-C reaches the parent and its
+#: workers, and the parent passes it on to them, so each worker receives it twice at once. Elsewhere a second
+#: signal aborts at once, however soon it comes.
 SAME_REQUEST_SECONDS = 1.0
 
 
+def nohup(signum: int) -> bool:
+    """Whether ``signum`` is a SIGHUP the process was started ignoring (``nohup``), which obow leaves ignored."""
+    return signum == signal.SIGHUP and signal.getsignal(signum) is signal.SIG_IGN
+
+
+def signals_passed_on() -> bool:
+    """Whether this process's parent passes its signals on to it: a ``torchrun`` worker (``TORCHELASTIC_RUN_ID``),
+    or a process started by ``multiprocessing`` (``obow tables run --jobs``)."""
+    import multiprocessing
+
+    return "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None
+
+
 class SignalFlag:
-    """The first SIGINT / SIGTERM received by this process (:attr:`received`: its name, or ``None``) and when
+    """The first SIGINT / SIGTERM / SIGHUP received by this process (:attr:`received`: its name, or ``None``) and when
     (:attr:`at`, ``time.monotonic()``); :attr:`doing` names what the loop finishes before its checkpoint (the
     step under way, or the end-of-epoch monitor, which can take minutes on a CPU), for the message a signal
-    prints. While :attr:`abort` is set (a step compiling, :mod:`obow.training.compiling`), the first signal
+    prints. While :attr:`abort` is set (a step compiling, :mod:`obow.training.step.watch`), the first signal
     raises ``abort(name)`` instead: the step is not finished."""
 
     STEP = "the step under way"
@@ -558,13 +578,16 @@ class SignalFlag:
 
 
 @contextlib.contextmanager
-def handle_signals(announce: bool = True) -> Iterator[SignalFlag]:
-    """Note the first SIGINT or SIGTERM in the flag this yields, so that the loop finishes the step under way,
-    writes a checkpoint at the step boundary and stops (:class:`Interrupted`). Another signal, later than
-    :data:`SAME_REQUEST_SECONDS` after the first, aborts at once with ``KeyboardInterrupt``: a checkpoint being
-    written is then dropped and the previous one stays whole. ``announce`` logs what the first signal does
-    (the main process)."""
+def handle_signals(announce: bool = True, repeat_window: float | None = None) -> Iterator[SignalFlag]:
+    """Note the first SIGINT, SIGTERM or SIGHUP (:data:`STOP_SIGNALS`) in the flag this yields, so that the loop
+    finishes the step under way, writes a checkpoint at the step boundary and stops (:class:`Interrupted`). A
+    second signal aborts at once with ``KeyboardInterrupt``: a checkpoint being written is then dropped and the
+    previous one stays whole. Only a repeat within ``repeat_window`` seconds of the first counts as the same
+    request (default: :data:`SAME_REQUEST_SECONDS` where :func:`signals_passed_on`, else none). SIGHUP stays
+    ignored where it is (under ``nohup``: the run goes on). ``announce`` logs what the first signal does (the main
+    process)."""
     flag = SignalFlag()
+    window = repeat_window if repeat_window is not None else SAME_REQUEST_SECONDS if signals_passed_on() else 0.0
 
     def note(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
@@ -574,11 +597,11 @@ def handle_signals(announce: bool = True) -> Iterator[SignalFlag]:
                 raise flag.abort(name)
             if announce:
                 log.warning("%s: finishing %s, then writing a checkpoint (again to abort)", name, flag.doing)
-        elif time.monotonic() - flag.at > SAME_REQUEST_SECONDS:
+        elif time.monotonic() - flag.at >= window:
             raise KeyboardInterrupt(name)
 
     try:
-        previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, note) for s in STOP_SIGNALS if not nohup(s)}
     except ValueError:  # not the main thread: leave signals alone
         yield flag
         return

@@ -16,8 +16,8 @@ from PIL import Image
 from obow.config import from_dict, load_config
 from obow.config.schema import Config
 from obow.show.run_plots import panels_for, read_run, runs_figure
-from obow.training.step.watch import CompileWatch
 from obow.training.run.state import SignalFlag
+from obow.training.step.watch import CompileWatch
 
 ROOT = Path(__file__).parents[1]
 

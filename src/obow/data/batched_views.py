@@ -25,8 +25,8 @@ view through all four jitter operations is 1.0 % brighter on average than the wo
 1.5 levels of 255 per pixel on average); the resampling is ``roi_align``'s bilinear sampling averaged over
 ``ceil(box / out)`` points per output pixel (an area filter when shrinking) where PIL uses its own antialiased
 bilinear filter; the blur is PIL's own (three extended box blurs along each axis, of variance sigma squared
-at every sigma) in floats, within the 3 levels of 255 that PIL's rounding adds. On square images of one size (CIFAR-10) the draws and the
-views are those of the square cache before, bit for bit.
+at every sigma) in floats, within the 3 levels of 255 that PIL's rounding adds. On square images of one size
+(CIFAR-10) the draws and the views are those of the square cache before, bit for bit.
 """
 
 from __future__ import annotations
@@ -528,6 +528,7 @@ class BatchedViews:
             assert params.crops is not None  # MoCo v2's two crops
             both = self._render_group(images, params.crops, cfg.teacher_size, dense)
             return {"teacher": both[:, 0], "crops": both[:, 1:]}
+        assert params.teacher_box is not None  # placed on the images' sizes (place)
         teacher = resized_crops(images, params.teacher_box.unsqueeze(1), cfg.teacher_size)[:, 0] / 255.0
         assert params.teacher_flip is not None  # drawn for OBoW's teacher view
         flip = params.teacher_flip.to(images.device, non_blocking=True).view(-1, 1, 1, 1)
@@ -552,6 +553,7 @@ class BatchedViews:
 
     def _render_group(self, images: Tensor, group: GroupParams, size: int, dense: bool = False) -> Tensor:
         """The group's augmented, normalised crops of ``size`` px: ``[B, m, 3, size, size]``."""
+        assert group.boxes is not None  # placed on the images' sizes (place)
         batch, m = group.boxes.shape[:2]
         crops = resized_crops(images, group.boxes, size).flatten(0, 1) / 255.0
         crops = (photometric_dense if dense else photometric)(crops, group.photo.flatten(), self.cfg.blur_sigma[1])

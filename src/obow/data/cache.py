@@ -115,7 +115,7 @@ class ImageCache:
     @cached_property
     def uniform(self) -> tuple[int, int] | None:
         """The images' (height, width) when all have the same, else ``None``."""
-        first = tuple(int(v) for v in self.sizes[0])
+        first = (int(self.sizes[0][0]), int(self.sizes[0][1]))
         return first if bool((self.sizes == self.sizes[0]).all()) else None
 
     def batch(self, indices: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
@@ -259,7 +259,7 @@ def build_cache(
     prefix = f"{folder_key(images.root)}-{contents_key(images)}"
     summary = known_summary(folder, prefix) or sizes_summary(images)
     exact = cache_size is not None
-    side = cache_size if exact else side
+    side = cache_size if cache_size is not None else side
     key = f"{prefix}-{'' if exact else 'upto'}{side}px"
     file, meta_file = folder / f"{key}.u8", folder / f"{key}.json"
     if not (file.is_file() and meta_file.is_file()):

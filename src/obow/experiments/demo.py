@@ -459,6 +459,7 @@ def print_table(
     )
     print(beats_constant_predictor(pretext)[1])
     if not pretrained_earlier:
+        assert pretrain_time is not None  # timed by this call
         took = f"pretraining {pretrain_time / 60:.1f} min, demo total {total / 60:.1f} min"
     else:
         before = "" if pretrain_time is None else f" in {pretrain_time / 60:.1f} min"

@@ -15,6 +15,7 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from obow.files import writing
 
@@ -151,7 +152,7 @@ def runs_figure(runs: Sequence[RunLog]):
                 if not points:
                     continue
                 xs, ys = zip(*points, strict=True)
-                style = {"linestyle": "--" if dashed else "-", "marker": "." if len(xs) < 20 else None}
+                style: dict[str, Any] = {"linestyle": "--" if dashed else "-", "marker": "." if len(xs) < 20 else None}
                 if len(runs) > 1:  # a colour per run; within a run, a marker per curve; the legend names both
                     colour = colours[r % len(colours)]
                     label = f"{run.name}: {key}" if len(panel.series) > 1 else run.name

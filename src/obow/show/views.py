@@ -60,6 +60,7 @@ def make_views(cfg: Config, images: int, device: torch.device) -> tuple[str, lis
     from obow.training.run.settle import resolve_pipeline
 
     pipeline = resolve_pipeline(cfg.data.pipeline, device)
+    assert cfg.data.path is not None  # the command's --data
     found = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)
     release_notices()  # the lines `obow show views` held until the images were found
     n = min(images, len(found))
@@ -140,6 +141,7 @@ def show_views(cfg: Config, out: str | Path, *, images: int = 8, overview: int =
     import matplotlib.pyplot as plt
 
     out = Path(out)
+    assert cfg.data.path is not None  # the command's --data
     check_out_of_data(out, cfg.data.path)
     device = view_device(cfg)
     pipeline, paths, pixels = make_views(cfg, images, device)

@@ -44,7 +44,7 @@ import torchvision
 from torch import Tensor
 
 from obow import __version__
-from obow.backbones import ResNetBackbone, TimmBackbone, TorchvisionBackbone, parse_arch
+from obow.backbones import Backbone, ResNetBackbone, TimmBackbone, TorchvisionBackbone, parse_arch
 from obow.checks import check_choice
 from obow.files import writing
 from obow.notices import ObowWarning
@@ -171,7 +171,7 @@ def export_backbone(
     return meta
 
 
-def usage_lines(backbone: torch.nn.Module, out_path: Path, views: dict[str, Any] | None) -> list[str]:
+def usage_lines(backbone: Backbone, out_path: Path, views: dict[str, Any] | None) -> list[str]:
     """The sidecar's ``usage``: Python lines that, run in order as they are (given ``files``, a list of image
     paths), build the library's model, load the export into it strictly, give it obow's stem, and leave in
     ``features`` what obow computes for those images: the global average of the last stage (``pool5``) in eval
@@ -188,9 +188,11 @@ def usage_lines(backbone: torch.nn.Module, out_path: Path, views: dict[str, Any]
         f"path = {str(out_path)!r}",
     ]
     if source == "resnet":
+        assert isinstance(backbone, ResNetBackbone)
         lines.append(f"model = torchvision.models.{name}()")
         if backbone.stem == "cifar":
             conv = backbone.conv1
+            assert isinstance(conv, torch.nn.Conv2d)
             lines.append(
                 f"model.conv1 = torch.nn.Conv2d({conv.in_channels}, {conv.out_channels}, 3, 1, 1, bias=False)"
                 "  # the cifar stem's conv1"
@@ -203,6 +205,7 @@ def usage_lines(backbone: torch.nn.Module, out_path: Path, views: dict[str, Any]
         ]
         forward = "model(batch)"
     elif source == "timm":
+        assert isinstance(backbone, TimmBackbone)
         if safetensors_path:  # timm's own way to read a local file, strict as well
             lines.append(
                 f"model = timm.create_model({name!r}, pretrained=True, pretrained_cfg_overlay=dict(file=path){kwargs})"
@@ -216,6 +219,7 @@ def usage_lines(backbone: torch.nn.Module, out_path: Path, views: dict[str, Any]
             lines.append(f"{_set_module(pool, 'torch.nn.Identity()')}  # the {backbone.stem} stem has no max-pool")
         forward = "model.forward_intermediates(batch, indices=1, intermediates_only=True)[0].mean((2, 3))"
     else:
+        assert isinstance(backbone, TorchvisionBackbone)
         lines += [
             "from torchvision.models.feature_extraction import create_feature_extractor",
             f"model = torchvision.models.get_model({name!r}{kwargs})",

@@ -59,21 +59,23 @@ class RunGuard:
         if self.bad_iteration is None:
             self.bad_iteration = torch.zeros((), dtype=torch.int64, device=loss.device)
             self.bad_lr = torch.zeros((), dtype=torch.float64, device=loss.device)
+        assert self.bad_lr is not None  # made with bad_iteration
         first = ~torch.isfinite(loss.detach()) & (self.bad_iteration == 0)
         self.bad_iteration = torch.where(first, iteration, self.bad_iteration)
         self.bad_lr = torch.where(first, lr, self.bad_lr)
         self.last = (iteration, lr)
 
     def check(self, out: Path, saved_at: int | None, device: torch.device, model: nn.Module | None = None) -> None:
-        """A :class:`~obow.training.run.state.RunError` when a loss noted so far was not finite, or (given the ``model``,
-        before a checkpoint) a weight or buffer of it is not: the last step's update may have made them so with a
-        finite loss. On any process (one small all-reduce when distributed); the line names the iteration, the
-        learning rate and the checkpoint kept."""
+        """A :class:`~obow.training.run.state.RunError` when a loss noted so far was not finite, or (given the
+        ``model``, before a checkpoint) a weight or buffer of it is not: the last step's update may have made them
+        so with a finite loss. On any process (one small all-reduce when distributed); the line names the
+        iteration, the learning rate and the checkpoint kept."""
         iteration = int(self.bad_iteration) if self.bad_iteration is not None else 0
         weights_bad = model is not None and not iteration and not all_finite(model)
         if not any(D.agree_any([iteration > 0, weights_bad], device)):
             return
         if iteration:
+            assert self.bad_lr is not None  # noted with the iteration
             what = f"the loss became non-finite at iteration {iteration} (learning rate {float(self.bad_lr):.3g})"
         elif weights_bad:
             what = f"the weights became non-finite by iteration {self.last[0]} (learning rate {self.last[1]:.3g})"

@@ -184,9 +184,9 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
     if cfg.data.path is None:
         raise RunError("no training images: set data.path (obow pretrain --data DIR)")
     check_inputs(cfg)  # before the run folder is created
-    check_out_outside_data(cfg, out)
     if why := check_step_mode(cfg):
         raise RunError(why)
+    check_out_outside_data(cfg, out)
     # and the images found before it too: an empty --data, or one with fewer images than a batch, leaves no folder
     # with a config.yaml and a lock behind
     images = scan_images(cfg.data.path, cfg.data.labels, cfg.data.images_per_class)

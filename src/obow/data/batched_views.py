@@ -524,6 +524,7 @@ class BatchedViews:
         depend on the draw, as :func:`compiled_render` traces them; otherwise the operations run on the views
         that draw them, picked on the host (less arithmetic in eager mode)."""
         cfg = self.cfg
+        images = images.float()  # once for every group (a padded batch of whole images is large)
         if self.mocov2:
             assert params.crops is not None  # MoCo v2's two crops
             both = self._render_group(images, params.crops, cfg.teacher_size, dense)

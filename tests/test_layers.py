@@ -138,11 +138,11 @@ TRAINING = PACKAGE / "training"
 #: ``build_step``), the parts the loop is built from, the loop. A module imports only from floors below its own,
 #: except the run's modules, which import one another (without a circle).
 TRAINING_FLOORS = (
-    ("run", "run.state", "run.lock", "run.logger", "run.settle", "run.threads", "run.precision"),
+    ("run", "run.state", "run.lock", "run.logger", "run.guards", "run.settle", "run.threads", "run.precision"),
     ("step.shared",),
     ("step.eager", "step.compiled", "step.graphed", "step.watch"),
     ("step",),
-    ("build",),
+    ("build", "cost"),
     ("loop",),
 )
 TRAINING_FLOOR = {m: i for i, modules in enumerate(TRAINING_FLOORS) for m in modules}

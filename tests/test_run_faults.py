@@ -25,8 +25,8 @@ from test_run_safety import ENV, STEPS_PER_EPOCH, pretrain_args, read_log, setup
 
 from obow.config import ConfigError, load_config
 from obow.diagnostics import effective_rank, feature_diagnostics
-from obow.training import budget_check
-from obow.training.budget_check import SavedPeak, check_view_sizes, judge, measure_step
+from obow.training import cost as budget_check
+from obow.training.cost import SavedPeak, check_view_sizes, judge, measure_step
 from obow.training.run.guards import COLLAPSED_RANK, RunGuard
 from obow.training.run.state import SAME_REQUEST_SECONDS, RunError, handle_signals
 from obow.weights.checkpoint import load_checkpoint

@@ -18,7 +18,7 @@ A run is settled, built, then trained: its ``auto`` settings and threads resolve
 (:mod:`obow.training.run.settle`), then what it is built from (process, device, data, method, optimiser):
 :mod:`obow.training.build`; its arithmetic: :mod:`obow.training.run.precision`. Files in ``<out>``:
 :mod:`obow.training.run.state`; logs: :mod:`obow.training.run.logger`. What it will cost is said (and a run that cannot
-fit refused) before its first step: :mod:`obow.training.budget_check`; a diverging run stops before a checkpoint
+fit refused) before its first step: :mod:`obow.training.cost`; a diverging run stops before a checkpoint
 keeps it, a collapse is warned about: :mod:`obow.training.run.guards`.
 """
 
@@ -42,7 +42,6 @@ from obow.data.identity import identify
 from obow.methods.base import Method
 from obow.notices import release_notices
 from obow.schedules import learning_rate
-from obow.training.budget_check import check_budget, check_view_sizes, out_of_memory
 from obow.training.build import (
     build_data,
     build_model,
@@ -50,6 +49,7 @@ from obow.training.build import (
     prepare_step_model,
     setup_process,
 )
+from obow.training.cost import check_budget, check_view_sizes, out_of_memory
 from obow.training.run.guards import RunGuard, kept_checkpoint
 from obow.training.run.lock import RunLock
 from obow.training.run.logger import RunLogger, log_interval, log_main, logged_step, logged_steps

@@ -402,7 +402,7 @@ def test_an_auto_pipeline_is_recorded_and_a_resume_keeps_it_on_another_device(
 
 
 def test_an_unreadable_folder_on_the_device_pipeline_is_one_line_from_the_command(tmp_path, tiny_recipe, obow_cli):
-    for i in range(3):
+    for i in range(8):  # a batch of them (data.batch_size 8): fewer is refused as too few, before any is read
         (tmp_path / "bad" / "a").mkdir(parents=True, exist_ok=True)
         (tmp_path / "bad" / "a" / f"{i}.png").write_bytes(b"junk")
     result = obow_cli(

@@ -19,6 +19,7 @@ Alternating rounds; prints crops per second. Skips a library that is not install
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -29,7 +30,7 @@ import torch
 from torchvision.transforms import v2
 
 from obow.config import load_config
-from obow.data.batched_views import BatchedViews
+from obow.data.batched_views import BatchedViews, place_boxes
 
 
 def synchronize(device: torch.device) -> None:
@@ -42,6 +43,8 @@ def obow_crops(views: BatchedViews, generator: torch.Generator) -> Callable[[tor
 
     def make(images: torch.Tensor) -> torch.Tensor:
         group = views._draw_group(images.shape[0], cfg.num_crops, cfg.crop_scale, True, generator)
+        sizes = torch.tensor([images.shape[-2:]]).expand(images.shape[0], cfg.num_crops, 2)  # the boxes on the images
+        group = dataclasses.replace(group, boxes=place_boxes(group.draws, sizes))
         return views._render_group(images, group, cfg.crop_size)
 
     return make

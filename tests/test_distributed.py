@@ -194,8 +194,9 @@ def test_torchrun_pretraining_on_two_cpu_processes(tmp_path, tiny_recipe, write_
 @pytest.mark.slow
 def test_torchrun_on_a_folder_the_cache_cannot_read_stops_both_processes(tmp_path, tiny_recipe, free_port):
     """The first process builds the device pipeline's cache; when it cannot, the other stops too (it does not
-    wait for a cache that will not come), each with one line."""
-    for i in range(4):
+    wait for a cache that will not come), each with one line. A batch of junk files: fewer are refused as too
+    few for a batch before any process builds anything."""
+    for i in range(8):
         (tmp_path / "bad" / "a").mkdir(parents=True, exist_ok=True)
         (tmp_path / "bad" / "a" / f"{i}.png").write_bytes(b"junk")
     cmd = [

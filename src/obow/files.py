@@ -95,6 +95,12 @@ def file_in_the_way(path: Path) -> Path | None:
     return None
 
 
+def is_inside(path: str | Path, folder: str | Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies under it, links resolved."""
+    inner, outer = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
+    return inner == outer or outer in inner.parents
+
+
 @contextlib.contextmanager
 def writing(path: str | Path) -> Iterator[Path]:
     """Write ``path`` inside this block: an ``OSError`` (or PyTorch's writer error) becomes a

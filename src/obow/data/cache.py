@@ -49,6 +49,7 @@ import torch
 from PIL import Image
 
 from obow.data.folders import ImageList, load_rgb, tiny_below
+from obow.data.identity import relative
 
 log = logging.getLogger("obow")
 
@@ -188,17 +189,19 @@ def default_cache_dir() -> Path:
 def contents_key(images: ImageList) -> str:
     """A digest of the images' relative paths, sizes and modification times (any change gives another key)."""
     digest = hashlib.sha256(f"obow-cache-v{CACHE_VERSION}".encode())
+    prefix = os.path.join(images.root, "")
     for path in images.paths:
         stat = os.stat(path)
-        digest.update(f"{os.path.relpath(path, images.root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        digest.update(f"{relative(path, images.root, prefix)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:20]
 
 
 def names_key(images: ImageList) -> str:
     """A digest of the images' relative paths alone: the same for a folder's earlier and later contents."""
     digest = hashlib.sha256()
+    prefix = os.path.join(images.root, "")
     for path in images.paths:
-        digest.update(f"{os.path.relpath(path, images.root)}\n".encode())
+        digest.update(f"{relative(path, images.root, prefix)}\n".encode())
     return digest.hexdigest()[:20]
 
 

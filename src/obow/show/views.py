@@ -29,7 +29,7 @@ import torch
 from PIL import Image
 
 from obow.config import Config
-from obow.files import writing
+from obow.files import is_inside, writing
 from obow.notices import release_notices
 from obow.show.words import view_pixels
 
@@ -39,16 +39,8 @@ VIEW_NAMES = {"teacher": "teacher", "crops": "crop", "patches": "patch"}
 
 def check_out_of_data(out: str | Path, data: str | Path) -> None:
     """Refuse an output folder inside the image folder: its PNGs would be read as training images next time."""
-    out_path, data_path = Path(out).resolve(), Path(data).resolve()
-    if out_path == data_path or data_path in out_path.parents:
+    if is_inside(out, data):
         raise ValueError(f"--out {out} is inside --data {data}: its PNGs would become training images; write elsewhere")
-
-
-def view_device(cfg: Config) -> torch.device:
-    """The device a run of ``cfg`` trains on (``train.device``): a GPU when one is visible, unless ``cpu``."""
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
-    return torch.device("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")
 
 
 def make_views(cfg: Config, images: int, device: torch.device) -> tuple[str, list[str], dict[str, np.ndarray]]:
@@ -143,7 +135,9 @@ def show_views(cfg: Config, out: str | Path, *, images: int = 8, overview: int =
     out = Path(out)
     assert cfg.data.path is not None  # the command's --data
     check_out_of_data(out, cfg.data.path)
-    device = view_device(cfg)
+    from obow.training.build import training_device
+
+    device = training_device(cfg)
     pipeline, paths, pixels = make_views(cfg, images, device)
     files = view_files(pixels, out)
     shown = min(overview, len(paths))

@@ -34,8 +34,19 @@ __all__ = [
     "build_optimizer",
     "prepare_step_model",
     "setup_process",
+    "training_device",
     "synchronises_batchnorm",
 ]
+
+
+def training_device(cfg: Config, local_rank: int = 0) -> torch.device:
+    """The device a process of a run of ``cfg`` trains on (``train.device``): its GPU (``local_rank``) when one is
+    visible, unless ``cpu``; a :class:`~obow.training.run.state.RunError` for ``cuda`` when none is."""
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise RunError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+    if cfg.train.device != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
 
 
 def setup_process(cfg: Config) -> torch.device:
@@ -43,17 +54,12 @@ def setup_process(cfg: Config) -> torch.device:
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not D.is_distributed():
         use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
         dist.init_process_group("nccl" if use_cuda else "gloo")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise RunError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
-    if cfg.train.device != "cpu" and torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    device = training_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = not cfg.train.deterministic
         torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32  # this process's fp32 products: training, monitor
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
-    else:
-        device = torch.device("cpu")
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)

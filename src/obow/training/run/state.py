@@ -39,7 +39,7 @@ from torch import nn
 from obow import distributed as D
 from obow.config import Config, from_dict, save_config, to_dict
 from obow.data.identity import LIST_NAME, DataIdentity, compare, read_list, write_list
-from obow.files import make_folder, writing
+from obow.files import is_inside, make_folder, writing
 from obow.training.run.logger import log_main
 from obow.weights.checkpoint import build_checkpoint, load_checkpoint, load_resumable, place_copy, save_atomic
 
@@ -192,8 +192,7 @@ def check_out_outside_data(cfg: Config, out: Path) -> None:
     pictures of ``obow show``, exports) would be read as training images. Checked before anything is written."""
     if cfg.data.path is None:
         return
-    data, run = Path(os.path.realpath(cfg.data.path)), Path(os.path.realpath(out))
-    if run == data or data in run.parents:
+    if is_inside(out, cfg.data.path):
         raise RunError(
             f"--out {out} is inside --data {cfg.data.path} (data.path): the run's own files (pictures, exports) "
             "would become training images; give an --out outside the data folder: nothing was written"

@@ -459,7 +459,7 @@ def test_demo_time_reads_the_cpu_kind_and_the_pretrainings_parts(tmp_path):
 
 @pytest.mark.slow  # a real (tiny) demo in a child process
 def test_demo_time_times_a_tiny_demo_and_writes_its_gain(tmp_path, capsys):
-    from obow.experiments.demo import DATASETS, choose_recipe
+    from obow.experiments.demo import DATASETS
 
     demo_time = load_script("demo_time")
     out = tmp_path / "demo_time.json"
@@ -467,8 +467,8 @@ def test_demo_time_times_a_tiny_demo_and_writes_its_gain(tmp_path, capsys):
     result = demo_time.main(["--out", str(tmp_path / "runs"), "--seeds", "0", "--json", str(out), *tiny])
     assert json.loads(out.read_text()) == result
     (row,) = result["runs"]
-    assert row["recipe"] in ("demo", "demo_fp32") and row["precision"] in ("bf16", "fp32")
-    assert row["recipe"] == choose_recipe(DATASETS["digits"], tiny)[0]  # the demo's own choice for this machine
+    assert row["recipe"] in DATASETS["digits"].recipes and row["precision"] in ("bf16", "fp32")
+    assert row["choice"].startswith(f"Demo: recipe '{row['recipe']}' in {row['precision']}")  # the probe's line
     assert row["gain"] == round(row["knn_pretrained"] - row["knn_random_init"], 2)
     assert row["wall_s"] > 0 and row["cpu_s"] > 0 and row["steps"] > 0 and row["epochs"] == 2
     assert "seed 0: recipe" in capsys.readouterr().out

@@ -159,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default runs/demo, or runs/demo-cifar10)")
     p.add_argument(
         "--recipe",
-        help="the recipe to pretrain with (default: the dataset's, or on a CPU without native bf16 demo_fp32 "
-        "for the digits; docs/demo.md)",
+        help="the recipe to pretrain with (default for the digits: the best of demo, demo_fp32, demo_short that a "
+        "probe of this machine estimates within 3 minutes; docs/demo.md)",
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="changes to the demo recipe")
     p.set_defaults(func=cmd_demo)

@@ -35,8 +35,8 @@ is named ``obow``, like this one). :func:`load_official` executes their ``utils`
 ``sys.modules`` only while they import each other, then removes them (this package's ``obow`` is untouched).
 Their files are not edited. The one setting changed on their objects: ``BoWExtractor._decay`` (their EMA
 momentum of the mean distance to the nearest word, 0.99 in their code) is set to the recipe's
-``model.temperature_momentum`` when a recipe changes it (``cifar10_fast``: 0.9), and ``_min_distance_mean`` to
-``model.temperature_init``.
+``model.temperature_momentum`` (the same 0.99 in most recipes; ``cifar10_fast``: 0.9), and their
+``_min_distance_mean`` (0.5 in their code) to ``model.temperature_init`` (the same 0.5 unless a recipe changes it).
 
     python benchmarks/official_step.py --official /work/official-obow --config demo --rounds 7 --json s.json
     python benchmarks/official_step.py --official DIR --config cifar10_fast --threads 2 \\
@@ -253,7 +253,8 @@ def authors_step(
         "num_epochs": o.epochs,
         "lr_schedule_type": "cos",
     }
-    solver = official["builder_obow"].OBoWSolver(model, tempfile.mkdtemp(prefix="official-step-"), None, opts)
+    with tempfile.TemporaryDirectory(prefix="official-step-") as exp_dir:  # their Solver makes it; a step never writes
+        solver = official["builder_obow"].OBoWSolver(model, exp_dir, None, opts)
     solver.initialize_optimizer()
     teacher, groups = to_device(batch, device, channels_last=False)
     images = [teacher.contiguous(), *(g.contiguous() for g in groups)]

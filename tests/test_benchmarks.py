@@ -484,3 +484,58 @@ def test_the_readme_lists_every_script_and_only_those_there():
     assert rows == scripts
     gone = set(re.findall(r"^\| `([\w.]+\.py)` \|", left, flags=re.M))
     assert gone and not gone & scripts
+
+
+# ------------------------------------------------------------------ obow's step against the authors' (issue 65)
+
+#: a copy of valeoai/obow's modules (their code is run, never copied into this repository): the side-by-side
+#: benchmark's real run is tested only where one is there
+OFFICIAL = Path(os.environ.get("OBOW_OFFICIAL", "/work/official-obow"))
+
+
+@pytest.mark.parametrize("builder", [None, "class OBoW(object):\n    pass\n"])
+def test_official_step_refuses_a_folder_without_the_authors_code_in_one_line(tmp_path, tiny_recipe, builder):
+    official_step = load_script("official_step")
+    if builder is not None:  # a builder_obow.py that is not theirs (no OBoWSolver)
+        (tmp_path / "obow").mkdir()
+        (tmp_path / "obow" / "builder_obow.py").write_text(builder)
+    with pytest.raises(SystemExit) as refused:
+        official_step.main(["--official", str(tmp_path), "--config", str(tiny_recipe), "--device", "cpu"])
+    message = refused.value.code
+    assert isinstance(message, str) and "\n" not in message  # one line, printed by Python without a traceback
+    assert message.startswith(f"--official {tmp_path}: not a copy of the authors' code (valeoai/obow)")
+    assert "obow/builder_obow.py" in message
+
+
+@pytest.mark.skipif(not (OFFICIAL / "obow" / "builder_obow.py").is_file(), reason=f"no valeoai/obow copy at {OFFICIAL}")
+def test_official_step_runs_both_steps_from_the_same_weights_and_catches_another_computation(tmp_path, tiny_recipe):
+    """One round on the tiny recipe: obow's step is the authors' computation (the first step's loss and the
+    student after it), a setting at another learning rate is caught (status 1), and the authors' modules are
+    gone from ``sys.modules`` afterwards (their package is also named ``obow``)."""
+    import sys
+
+    import obow
+
+    official_step = load_script("official_step")
+    threads = torch.get_num_threads()
+    out = tmp_path / "steps.json"
+    argv = ["--official", str(OFFICIAL), "--config", str(tiny_recipe), "--rounds", "1", "--warmup", "0"]
+    argv += ["--threads", "1", "--device", "cpu", "--json", str(out)]
+    status = official_step.main([*argv, "--obow-settings", "--obow-settings", "optim.lr=0.01"])
+    torch.set_num_threads(threads)
+    assert status == 1  # the second setting is not the authors' step
+    result = json.loads(out.read_text())
+    steps = result["steps"]
+    assert list(steps) == ["authors", "obow", "obow optim.lr=0.01"]
+    assert all(len(s["seconds"]) == 1 and s["median_s"] > 0 for s in steps.values())
+    same, other = steps["obow"], steps["obow optim.lr=0.01"]
+    assert same["same_computation"] and same["first_loss"] == pytest.approx(steps["authors"]["first_loss"], rel=1e-5)
+    assert same["student_max_abs_difference"] < 1e-3 * steps["authors"]["student_max_abs_change"]
+    assert (
+        not other["same_computation"]
+        and other["student_max_abs_difference"] > 0.1 * steps["authors"]["student_max_abs_change"]
+    )
+    assert set(result["cpu"]) >= {"model", "flags"} and result["torch"] == torch.__version__
+    assert "--obow-settings optim.lr=0.01" in result["command"]
+    assert not any(k.startswith("obow.") and k.rsplit(".", 1)[1] in official_step.OFFICIAL_MODULES for k in sys.modules)
+    assert not any(hasattr(obow, name) for name in official_step.OFFICIAL_MODULES)

@@ -111,7 +111,9 @@ class DeviceLoader:
 def resident_copy(cache: ImageCache, device: torch.device) -> torch.Tensor:
     """:attr:`ImageCache.pixels` on ``device``, copied block by block, each block checked against its checksum as it
     is read (:meth:`ImageCache.checked_blocks`): a memory-mapped cache is read once, not once to check and once
-    to copy."""
+    to copy. A cache read into memory was checked as it was read: copied at once."""
+    if cache.checked.all() and cache.where == "memory":
+        return torch.from_numpy(cache.pixels).to(device)
     resident = torch.empty(cache.nbytes, dtype=torch.uint8, device=device)
     for start, chunk in cache.checked_blocks():
         resident[start : start + len(chunk)].copy_(torch.from_numpy(np.array(chunk)))

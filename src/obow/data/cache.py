@@ -32,11 +32,11 @@ run to report each once, as the worker pipeline does.
 Integrity. The metadata records the file's size and a CRC-32 of every :data:`BLOCK_BYTES` block, computed as the
 block is first written. A cache is checked when it is opened: its size against the metadata's (a truncated file),
 then, for a cache read into memory, each block's checksum as the block is read (one read of the file, the only
-one: the check costs a CRC-32 pass over bytes already in memory, not a second read). A memory-mapped cache, larger
+one: the check costs a CRC-32 pass over bytes already in memory, by threads while the next blocks are read). A memory-mapped cache, larger
 than half the memory, is not read at open (that is its point): each block is checked the first time a batch reads
 from it (:meth:`ImageCache.batch`), or as it is copied to the GPU. CRC-32 detects any damage a disk or a stray write
-makes (a burst of up to 32 bits always; anything else but for one chance in 2^32 per block), not a deliberate
-forgery, which nobody with write access to the cache needs. A cache that does not match is removed and rebuilt,
+makes (a burst of up to 32 bits always; anything else but for one chance in 2^32 per block); it is no defence
+against a deliberate forgery (whoever can write the cache can write its metadata too), nor needs to be. A cache that does not match is removed and rebuilt,
 in one line; found damaged in the middle of a run, it is rebuilt then and the run goes on. A build is atomic: the
 pixels are written to ``<key>.u8.<pid>.partial``, renamed when complete, and the metadata written last. A build
 stopped by SIGINT, SIGTERM or SIGHUP removes its partial file and says so in one line, then stops as the signal
@@ -356,7 +356,7 @@ def sizes_summary(images: ImageList) -> dict[str, Any]:
 def known_summary(folder: Path, prefix: str) -> dict[str, Any] | None:
     """The :func:`sizes_summary` recorded by a cache of the same contents (any side), if there is one."""
     for meta in folder.glob(f"{prefix}-*px.json"):
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             sizes = json.loads(meta.read_text()).get("sizes")
             if sizes is not None:
                 return sizes
@@ -412,7 +412,12 @@ def build_cache(
     tiny images (:func:`obow.data.folders.tiny_below`; default ``side``)."""
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     prefix = f"{folder_key(images.root)}-{contents_key(images)}"
-    summary = known_summary(folder, prefix) or sizes_summary(images)
+    try:
+        with stopped_by_signals():  # the headers of a large folder take minutes
+            summary = known_summary(folder, prefix) or sizes_summary(images)
+    except BuildStopped as stopped:
+        log.warning("%s: the image cache build stopped while reading the images' sizes; nothing was written", stopped)
+        pass_on(stopped)
     exact = cache_size is not None
     side = cache_size if cache_size is not None else side
     key = f"{prefix}-{'' if exact else 'upto'}{side}px"
@@ -476,8 +481,10 @@ def open_cache(file: Path, meta_file: Path) -> tuple[dict[str, Any], np.ndarray,
     if nbytes > available_memory() // 2:
         return meta, np.memmap(file, dtype=np.uint8, mode="r", shape=(nbytes,)), "memory-mapped", checked
     pixels = np.empty(nbytes, dtype=np.uint8)
-    with open(file, "rb", buffering=0) as f:
-        for b, start in enumerate(range(0, nbytes, block)):
+    # each block's checksum computed by threads (zlib releases the GIL) while the next blocks are read
+    with open(file, "rb", buffering=0) as f, ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        crcs = []
+        for start in range(0, nbytes, block):
             view = pixels[start : start + block].data
             filled = 0
             while filled < len(view):
@@ -485,7 +492,9 @@ def open_cache(file: Path, meta_file: Path) -> tuple[dict[str, Any], np.ndarray,
                 if not got:
                     raise CacheDamaged(f"it ends at byte {start + filled:,}, before its {nbytes:,} bytes")
                 filled += got
-            if zlib.crc32(view) != sums[b]:
+            crcs.append(pool.submit(zlib.crc32, view))
+        for b, crc in enumerate(crcs):
+            if crc.result() != sums[b]:
                 raise CacheDamaged(f"block {b + 1} of {len(sums)} does not match its checksum")
     checked[:] = True
     return meta, pixels, "memory", checked
@@ -659,7 +668,7 @@ def remove_older_formats(folder: Path, folder_prefix: str) -> None:
     :data:`CACHE_VERSION` (never read: their keys differ), saying so in one line."""
     old: dict[str, Any] = {}
     for meta in folder.glob(f"{folder_prefix}-*.json"):
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             version = json.loads(meta.read_text()).get("version")
             if version != CACHE_VERSION:
                 old[meta.name[: -len(".json")]] = version
@@ -683,7 +692,7 @@ def remove_old_caches(folder: Path, pattern: str, keep: int, current: str, names
     def other_list(meta: Path) -> bool:
         try:
             return json.loads(meta.read_text()).get("names") != names
-        except (OSError, ValueError):
+        except (OSError, ValueError, AttributeError):
             return False
 
     metas = [m for m in folder.glob(f"{pattern}.json") if not m.name.startswith(current) and other_list(m)]

@@ -173,17 +173,26 @@ BUILD = textwrap.dedent(
         return decode(*args)
 
     cache._decode = slowly
+    if sys.argv[1] == "build":  # the build alone, as `obow pretrain` calls it (cheaper: no recipe, no model)
+        from obow.data.folders import scan_images
+
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+        cache.build_cache(scan_images(sys.argv[2]), 24, cache_dir=sys.argv[3])
+        sys.exit(0)
     sys.exit(main(sys.argv[1:]))
     """
 )
 
 
-def start_build(tmp_path, tiny_recipe) -> tuple[subprocess.Popen, object]:
+def start_build(tmp_path, tiny_recipe, via: str = "cli") -> tuple[subprocess.Popen, object]:
+    """A process building a cache of 300 tiny images, through `obow pretrain` (``via="cli"``) or the build alone
+    (``"build"``), once it has started writing its partial file."""
     write_images(tmp_path / "data" / "a", 300, side=8)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    command = [
-        sys.executable, "-c", BUILD, "pretrain", "--config", str(tiny_recipe), "--data", str(tmp_path / "data"),
-        "--out", str(tmp_path / "run"), "data.pipeline=device", f"data.cache_dir={tmp_path / 'cache'}",
+    data, folder = str(tmp_path / "data"), str(tmp_path / "cache")
+    command = [sys.executable, "-c", BUILD, "build", data, folder] if via == "build" else [
+        sys.executable, "-c", BUILD, "pretrain", "--config", str(tiny_recipe), "--data", data,
+        "--out", str(tmp_path / "run"), "data.pipeline=device", f"data.cache_dir={folder}",
     ]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 120
@@ -194,15 +203,16 @@ def start_build(tmp_path, tiny_recipe) -> tuple[subprocess.Popen, object]:
 
 
 @pytest.mark.parametrize(
-    ("signum", "code"),
+    ("signum", "code", "via"),
     [
-        (signal.SIGTERM, 143),
-        pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow),
-        pytest.param(signal.SIGHUP, 129, marks=pytest.mark.slow),
+        (signal.SIGTERM, 143, "build"),
+        pytest.param(signal.SIGTERM, 143, "cli", marks=pytest.mark.slow),
+        pytest.param(signal.SIGINT, 130, "cli", marks=pytest.mark.slow),
+        pytest.param(signal.SIGHUP, 129, "cli", marks=pytest.mark.slow),
     ],
 )
-def test_a_build_stopped_by_a_signal_leaves_nothing_and_says_so_in_one_line(tmp_path, tiny_recipe, signum, code):
-    proc, folder = start_build(tmp_path, tiny_recipe)
+def test_a_build_stopped_by_a_signal_leaves_nothing_and_says_so_in_one_line(tmp_path, tiny_recipe, signum, code, via):
+    proc, folder = start_build(tmp_path, tiny_recipe, via)
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=60)
     name = signal.Signals(signum).name
@@ -212,6 +222,32 @@ def test_a_build_stopped_by_a_signal_leaves_nothing_and_says_so_in_one_line(tmp_
     assert len(lines) == 1 and f"{name}: the image cache build stopped after" in lines[0], err
     assert "of 300 images; its partial file is removed" in lines[0]
     assert not list(folder.iterdir()), "a stopped build leaves nothing behind"
+
+
+def test_a_stop_while_the_sizes_are_read_says_one_line_and_writes_nothing(tmp_path, monkeypatch, caplog):
+    """Reading the headers of a large folder takes minutes: a signal then stops the build in one line too, and
+    the signal's default (here SIGTERM's: the process ends with 143) follows, with what encloses the build
+    unwound (``SystemExit``)."""
+    write_images(tmp_path / "data" / "a", 4)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the test runner set: the default
+    try:
+
+        def signalled(images):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+            raise AssertionError("not stopped")
+
+        monkeypatch.setattr(cache_module, "sizes_summary", signalled)
+        with caplog.at_level(logging.WARNING, logger="obow"), pytest.raises(SystemExit) as stopped:
+            build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=tmp_path / "cache")
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handed back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == 143
+    assert caplog.messages == [
+        "SIGTERM: the image cache build stopped while reading the images' sizes; nothing was written"
+    ]
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
 
 
 @pytest.mark.slow

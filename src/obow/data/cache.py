@@ -32,16 +32,17 @@ run to report each once, as the worker pipeline does.
 Integrity. The metadata records the file's size and a CRC-32 of every :data:`BLOCK_BYTES` block, computed as the
 block is first written. A cache is checked when it is opened: its size against the metadata's (a truncated file),
 then, for a cache read into memory, each block's checksum as the block is read (one read of the file, the only
-one: the check costs a CRC-32 pass over bytes already in memory, by threads while the next blocks are read). A memory-mapped cache, larger
-than half the memory, is not read at open (that is its point): each block is checked the first time a batch reads
-from it (:meth:`ImageCache.batch`), or as it is copied to the GPU. CRC-32 detects any damage a disk or a stray write
-makes (a burst of up to 32 bits always; anything else but for one chance in 2^32 per block); it is no defence
-against a deliberate forgery (whoever can write the cache can write its metadata too), nor needs to be. A cache that does not match is removed and rebuilt,
-in one line; found damaged in the middle of a run, it is rebuilt then and the run goes on. A build is atomic: the
-pixels are written to ``<key>.u8.<pid>.partial``, renamed when complete, and the metadata written last. A build
-stopped by SIGINT, SIGTERM or SIGHUP removes its partial file and says so in one line, then stops as the signal
-would have stopped it (:func:`stopped_by_signals`); a partial file left by a build killed outright (``kill -9``)
-is removed by the next build, in one line (:func:`remove_stopped_builds`).
+one: the check is a CRC-32 pass over bytes already in memory, by threads while the next blocks are read). A
+memory-mapped cache, larger than half the memory, is not read at open (that is its point): each block is checked
+the first time a batch reads from it (:meth:`ImageCache.batch`), or as it is copied to the GPU. CRC-32 detects any
+damage a disk or a stray write makes (a burst of up to 32 bits always; anything else but for one chance in 2^32 per
+block); it is no defence against a deliberate forgery (whoever can write the cache can write its metadata too),
+nor needs to be. A cache that does not match is removed and rebuilt, in one line; found damaged in the middle of
+a run, it is rebuilt then and the run goes on. A build is atomic: the pixels are written to
+``<key>.u8.<pid>.partial``, renamed when complete, and the metadata written last. A build stopped by SIGINT,
+SIGTERM or SIGHUP removes its partial file and says so in one line, then stops as the signal would have stopped it
+(:func:`stopped_by_signals`); a partial file left by a build killed outright (``kill -9``) is removed by the next
+build, in one line (:func:`remove_stopped_builds`).
 """
 
 from __future__ import annotations

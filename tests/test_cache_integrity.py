@@ -148,7 +148,13 @@ def test_the_partial_file_of_a_build_killed_outright_is_removed_by_the_next_buil
 
 @pytest.mark.parametrize(
     ("size", "said"),
-    [(100, "100 bytes"), (12_288, "12.0 KiB"), (39_321_600, "37.5 MiB"), (1.5 * 2**30, "1.5 GiB")],
+    [
+        (100, "100 bytes"),
+        (12_288, "12.0 KiB"),
+        (39_321_600, "37.5 MiB"),
+        (694 * 2**20 + 1000, "694 MiB"),
+        (1.5 * 2**30, "1.5 GiB"),
+    ],
 )
 def test_sizes_are_said_in_the_unit_a_reader_expects(size, said):
     assert human_bytes(size) == said

@@ -301,7 +301,7 @@ def test_a_device_pipeline_run_trains_checkpoints_and_resumes_to_the_uninterrupt
     header = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Data:")]
     assert header[0] == f"Data: decoding 12 images of {data} into the image cache in {tmp_path / 'cache'}"
     assert header[1].startswith("Data: views made on the cpu from 12 images decoded whole at 20x20 px (none enlarged")
-    assert "0 MiB on disk, held in memory" in header[1]
+    assert "14.1 KiB on disk, held in memory" in header[1]  # 12 images of 20x20x3 bytes
     assert whole["iteration"] == 6
 
     original = DeviceLoader.__iter__

@@ -100,10 +100,11 @@ class CacheDamaged(ValueError):
 
 
 def human_bytes(n: float) -> str:
-    """``n`` bytes in the unit a reader expects: ``1.5 GiB``, ``37.5 MiB``, ``12.0 KiB``, ``100 bytes``."""
+    """``n`` bytes in the unit a reader expects: ``1.5 GiB``, ``694 MiB``, ``37.5 MiB``, ``12.0 KiB``, ``100 bytes``
+    (a tenth shown under 100 of the unit)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
-            return f"{n / size:.1f} {unit}"
+            return f"{n / size:.{0 if n >= 100 * size else 1}f} {unit}"
     return f"{int(n)} bytes"
 
 
@@ -287,7 +288,7 @@ class ImageCache:
         notes = f"; {self.resized} resized" if self.resized else ""
         notes += f"; {len(self.tiny)} tiny images upscaled" if self.tiny else ""
         return (
-            f"{len(self.images)} images decoded whole at {size} ({rule}), {self.nbytes / 2**20:.0f} MiB on disk, "
+            f"{len(self.images)} images decoded whole at {size} ({rule}), {human_bytes(self.nbytes)} on disk, "
             f"{held}, from {self.file}{notes}"
         )
 

@@ -345,7 +345,7 @@ def test_render_times_the_render_of_a_git_commit_beside_todays(capsys):
     assert math.isfinite(result["max_abs_diff"]["baseline"]) and result["max_abs_diff"]["eager"] == 0.0
     assert "the render at HEAD" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="needs --baseline"):
-        render.main(["--config", "cifar10_fast", "--device", "cpu", "--modes", "baseline", "data.batch_size=4"])
+        render.main(["--config", "cifar10_fast", "--device", "cpu", "data.batch_size=4", "--modes", "baseline"])
 
 
 def test_monitor_times_reading_and_keeping_monitors_on_the_same_backbone(tmp_path, tiny_recipe, write_images):

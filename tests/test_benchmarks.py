@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -331,6 +332,20 @@ def test_render_times_the_eager_dense_and_compiled_renders_in_the_same_rounds(tm
     assert result["max_abs_diff"] == {"eager": 0.0, "dense": 0.0, "compiled": 0.0}  # aot_eager: the same operators
     assert result["ahead_equal"] is None  # no streams on a CPU
     assert "compilation (first compiled call)" in capsys.readouterr().out
+
+
+def test_render_times_the_render_of_a_git_commit_beside_todays(capsys):
+    """``--baseline REF``: the render as it was at a commit (here HEAD), loaded from git, timed in the same rounds;
+    the mode without ``--baseline`` is refused in one line."""
+    render = load_script("render")
+    result = render.main(["--config", "cifar10_fast", "--device", "cpu", "--warmup", "0", "--steps", "1", "--rounds",
+                          "2", "--modes", "eager", "baseline", "--baseline", "HEAD", "data.batch_size=4"])  # fmt: skip
+    assert set(result["images_per_s"]) == {"eager", "baseline"} and result["baseline"] == "HEAD"
+    assert all(len(r) == 2 and min(r) > 0 for r in result["rounds"].values())
+    assert math.isfinite(result["max_abs_diff"]["baseline"]) and result["max_abs_diff"]["eager"] == 0.0
+    assert "the render at HEAD" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="needs --baseline"):
+        render.main(["--config", "cifar10_fast", "--device", "cpu", "data.batch_size=4", "--modes", "baseline"])
 
 
 def test_monitor_times_reading_and_keeping_monitors_on_the_same_backbone(tmp_path, tiny_recipe, write_images):

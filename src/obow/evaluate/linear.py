@@ -249,7 +249,9 @@ def stable_lr(features: Tensor, num_classes: int, momentum: float = 0.9, batch_n
     if batch_norm:
         x = (x - x.mean(0)) / (x.var(0, unbiased=False) + 1e-5).sqrt()  # BatchNorm1d's eps
     x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
-    v = x.mean(0)  # power iteration from the mean, the dominant direction of unnormalised features
+    # power iteration, from the mean (the dominant direction of unnormalised features) plus a random direction (an
+    # eigenvector alone would be a fixed point: the bias's, for standardised features)
+    v = x.mean(0) + torch.randn(x.shape[1], generator=torch.Generator().manual_seed(0), dtype=x.dtype)
     lam = 0.0
     for _ in range(POWER_STEPS):
         w = x.T @ (x @ v) / len(x)

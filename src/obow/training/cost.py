@@ -2,27 +2,32 @@
 clearly does not fit, or that runs out of memory, is told.
 
 The paper's recipe (ResNet-50, batch 256, 224 px teacher, 2 crops and 5 patches) on a CPU was killed by the
-kernel for memory without a word (exit 137). :func:`check_budget` measures the run's step before it starts:
+kernel for memory without a word (exit 137). :func:`check_budget` says what it measures, then measures the run's
+step before it starts:
 
 * the memory: the weights, buffers, gradients and momentum of the method (counted), plus the activations of a
-  step, on a line through steps of 1 and 2 images out to ``data.batch_size``: on a CPU the most bytes kept at
-  once for the backward pass
+  step. On a CPU (:func:`estimate_step`) the step of the whole batch is traced on fake tensors, shapes without
+  computation (three real steps of 1, 2 and 1 images of the paper's recipe took 749 s on a busy CPU before a
+  refusal; the trace takes seconds), and its activations are the most bytes kept at once for the backward pass
   (through ``torch.autograd.graph.saved_tensors_hooks``, view groups back-propagated one by one as the run does),
-  which leaves out temporary buffers (e.g. the teacher's distances to the vocabulary), so it is a floor; on a GPU
-  the allocator's own peak, temporary buffers included;
-* the time per epoch: a step's time on the same line, times the steps of an epoch, loading the images not counted
-  (on a CPU, where a step's time grows about in proportion to its images; a GPU's small steps say little about a
-  full batch, so none is given there). On a busy machine it is rough;
+  which leaves out temporary buffers (e.g. the teacher's distances to the vocabulary), so it is a floor. On a GPU
+  (:func:`measure_step`) steps of 1 and 2 images are run, a line through them out to ``data.batch_size``, the
+  allocator's own peak, temporary buffers included;
+* the time per epoch, on a CPU: the traced step's floating-point operations at the rate this CPU does the
+  student's forward and backward pass on one image (:func:`cpu_flop_rate`), times the steps of an epoch, loading
+  the images not counted (a GPU's small steps say little about a full batch, so none is given there). On a busy
+  machine it is rough;
 * what the machine has: ``MemAvailable`` of ``/proc/meminfo``, the control group's limit less its use, and the
   address-space limit (``ulimit -v``) less what the process maps; on a GPU, ``torch.cuda.mem_get_info``.
 
 A run whose estimate is above :data:`REFUSE_ABOVE` of what is available is refused with one line naming what to
-lower; above :data:`WARN_ABOVE`, warned about. The measurement costs three small steps on a model built for it
-(4 images in all), so it is made only where a generous bound (:func:`rough_bound`) says the run may need more
-than a quarter of the memory available; the random generators are left as they were.
+lower; above :data:`WARN_ABOVE`, warned about. The measurement builds the method once, so it is made only where a
+generous bound (:func:`rough_bound`) says the run may need more than a quarter of the memory available; the
+random generators are left as they were.
 
-An out-of-memory error during training still happens where the estimate is low (temporary buffers, another job
-taking memory): :func:`out_of_memory` turns the allocator's message into one line naming what to lower.
+An out-of-memory error still happens where the estimate is low (temporary buffers, another job taking memory),
+and before the first step (the image cache, the kNN monitor): :func:`out_of_memory` turns the allocator's message
+(or Python's ``MemoryError``) into one line naming where it happened and what to lower.
 """
 
 from __future__ import annotations

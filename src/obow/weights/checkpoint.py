@@ -276,6 +276,8 @@ def _load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu")
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} is not an obow pretraining checkpoint: {describe(ckpt)}")
     if ckpt.get("version", 0) > VERSION:
+        if why := verify(dict(ckpt), path):  # a damaged version number, not a newer obow's file
+            raise UnreadableFile(f"cannot read checkpoint {str(path)!r}: {why}", why)
         raise ValueError(f"{str(path)!r} has checkpoint version {ckpt['version']}; this obow reads up to {VERSION}")
     if why := verify(ckpt, path):
         raise UnreadableFile(f"cannot read checkpoint {str(path)!r}: {why}", why)

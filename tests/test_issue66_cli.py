@@ -81,6 +81,21 @@ def test_a_run_refused_by_its_cost_says_what_it_measures_first_and_leaves_nothin
     assert not out.exists() and not out.parent.exists()  # nor the folder above it, made for it
 
 
+def test_a_step_that_cannot_be_traced_is_measured_as_before(tiny_recipe, monkeypatch, caplog):
+    """A method with an operation fake tensors cannot run (a value read off the device) is not refused for it:
+    its small steps are measured, as before the trace, and the log says so."""
+
+    def untraceable(*args, **kwargs):
+        raise RuntimeError("Tensor.item() of a fake tensor")
+
+    monkeypatch.setattr(cost, "trace_step", untraceable)
+    cfg = load_config(tiny_recipe, ["data.batch_size=8", "data.path=/unused", "train.precision=fp32"])
+    with caplog.at_level("INFO", logger="obow"):
+        states, activations, seconds, how = estimate_step(cfg, torch.device("cpu"))
+    assert "the step cannot be traced at its shapes (Tensor.item() of a fake tensor)" in caplog.text
+    assert activations > 0 and seconds > 0 and how == "kept for the backward pass, a floor"
+
+
 @pytest.mark.slow
 def test_the_papers_recipe_on_small_images_is_refused_in_seconds_without_a_real_step(
     tmp_path, write_images, obow_cli, monkeypatch
@@ -248,6 +263,17 @@ def test_out_of_memory_building_the_image_cache_names_the_cache(tiny_recipe):
     assert line.startswith("out of memory building or reading the image cache of data.pipeline=device: lower")
     assert "data.cache_size" in line and "data.pipeline=workers" in line
     assert cost.out_of_memory(ValueError("x"), load_config(tiny_recipe)) is None
+
+
+def test_out_of_memory_in_the_demo_is_one_line(obow_cli, monkeypatch, tmp_path):
+    from obow.experiments import demo
+
+    monkeypatch.setattr(demo, "run_demo", allocate)
+    result = obow_cli("demo", "--out", tmp_path / "demo", check=False)
+    assert result.code == 2
+    (line,) = error_lines(result.err)
+    assert line.startswith("obow: error: out of memory during training (it asked for 1152921504606846976 bytes")
+    assert "lower data.batch_size" in line and "DefaultCPUAllocator" not in result.err
 
 
 def test_out_of_memory_in_eval_is_one_line(tiny_run, obow_cli, monkeypatch, tmp_path):

@@ -352,6 +352,7 @@ def finished_read_only(cfg: Any, out: Path) -> dict[str, Any] | None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from obow.experiments.demo import run_demo
+    from obow.training.cost import out_of_memory
     from obow.training.loop import Interrupted
 
     try:
@@ -359,6 +360,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         run_demo(Path(out), list(args.overrides), args.dataset, getattr(args, "recipe", None))
     except Interrupted as err:
         return err.exit_code
+    except (RuntimeError, MemoryError) as err:  # the allocator's, in one line
+        if (oom := out_of_memory(err, None)) is not None:
+            raise oom from None
+        raise
     return 0
 
 

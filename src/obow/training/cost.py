@@ -240,12 +240,8 @@ def estimate_step(cfg: Config, device: torch.device) -> tuple[int, int, float | 
     (``torch.utils.flop_counter``) at the rate this CPU does the student's forward and backward on one image of
     its smallest view (:func:`cpu_flop_rate`; ``None`` where the method has no ``student``). Seconds where the
     measured steps of the paper's ResNet-50 took minutes on a busy CPU."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
-
     from obow.methods import build_method
     from obow.training.run.precision import precision_context
-    from obow.training.step.shared import forward_backward, to_device
 
     model = build_method(cfg, total_iterations=1000, resuming=True).to(device).train()
     model.diagnose = False  # as on most steps of a run: the diagnostics are computed on the logged ones
@@ -260,6 +256,33 @@ def estimate_step(cfg: Config, device: torch.device) -> tuple[int, int, float | 
     shapes = [value.shape[1:] for key, value in one.items() if key != "teacher"]
     # the host's random draws of the step (OBoW's cut-mix boxes) made for real: they are read off the host
     model.host_inputs = model.draw_host_inputs([torch.empty(batch, *shape, device="meta") for shape in shapes])
+    try:
+        activations, flops = trace_step(model, one, batch, device, cfg.train.channels_last, autocast, per_group)
+    except Exception as err:  # noqa: BLE001 - an operation fake tensors cannot run (a value read off the device)
+        del model
+        if D.is_main_process():
+            log.info("Cost: the step cannot be traced at its shapes (%s); measuring small steps instead", err)
+        return measure_step(cfg, device)
+    return states, activations, flops / rate if rate else None, "kept for the backward pass, a floor"
+
+
+def trace_step(
+    model: torch.nn.Module,
+    one: dict[str, torch.Tensor],
+    batch: int,
+    device: torch.device,
+    channels_last: bool,
+    autocast: contextlib.AbstractContextManager,
+    per_group: bool,
+) -> tuple[int, int]:
+    """The bytes a step of ``batch`` copies of the views ``one`` keeps for its backward pass, and its
+    floating-point operations, from ``model``'s step traced on fake tensors (its weights and buffers replaced by
+    fake ones of their shapes: the model is of no use afterwards)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from obow.training.step.shared import forward_backward, to_device
+
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     for module in model.modules():  # every weight and buffer as a fake tensor of its shape
         for name, param in list(module._parameters.items()):
@@ -270,11 +293,10 @@ def estimate_step(cfg: Config, device: torch.device) -> tuple[int, int, float | 
                 module._buffers[name] = fake.from_tensor(buffer)
     with fake:
         views = {key: value.expand(batch, *value.shape[1:]).clone() for key, value in one.items()}
-        teacher, groups = to_device(views, device, cfg.train.channels_last)
+        teacher, groups = to_device(views, device, channels_last)
         with FlopCounterMode(display=False) as flops, SavedPeak().watching() as saved:
             forward_backward(model, teacher, groups, None, autocast, per_group)
-    seconds = flops.get_total_flops() / rate if rate else None
-    return states, saved.peak, seconds, "kept for the backward pass, a floor"
+    return saved.peak, flops.get_total_flops()
 
 
 def cpu_flop_rate(
@@ -401,10 +423,10 @@ PHASES = (
 )
 
 
-def out_of_memory(err: BaseException, cfg: Config) -> RunError | None:
+def out_of_memory(err: BaseException, cfg: Config | None) -> RunError | None:
     """One line for an out-of-memory error of the allocator (CPU or GPU) or of Python, naming where in the run it
-    happened (:data:`PHASES`: the image cache, the kNN monitor; else the steps) and what to lower; ``None`` for any
-    other error."""
+    happened (:data:`PHASES`: the image cache, the kNN monitor; else the steps, at ``cfg``'s batch size when given)
+    and what to lower; ``None`` for any other error."""
     asked = allocation_failed(err)
     if asked is None:
         return None
@@ -413,7 +435,8 @@ def out_of_memory(err: BaseException, cfg: Config) -> RunError | None:
     for part, where, lower in PHASES:
         if any(part in name for name in seen):
             return RunError(f"out of memory {where}{asked}: {lower}")
-    return RunError(f"out of memory during training{asked} at data.batch_size={cfg.data.batch_size}: {LOWER}")
+    batch = f" at data.batch_size={cfg.data.batch_size}" if cfg is not None else ""
+    return RunError(f"out of memory during training{asked}{batch}: {LOWER}")
 
 
 #: How many images :func:`check_view_sizes` opens (their headers only), spread over the folder.

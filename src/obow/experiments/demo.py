@@ -324,7 +324,7 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
     result = pretrain(cfg, out / "pretrain", monitor=KNNMonitor)
     # a run finished by an earlier call trains nothing now: its time is the one that call wrote down
     pretrained_earlier = bool(result.get("already_finished"))
-    pretrain_time = earlier_pretrain_seconds(out) if pretrained_earlier else time.time() - start
+    pretrain_time = earlier_pretrain_seconds(out) if pretrained_earlier else run_seconds(out / "pretrain" / "log.jsonl")
 
     train_set = eval_dataset(train_dir, cfg.views)
     val_set = eval_dataset(val_dir, cfg.views)
@@ -384,6 +384,14 @@ def earlier_pretrain_seconds(out: Path) -> float | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return float(seconds) if isinstance(seconds, int | float) else None
+
+
+def run_seconds(log_path: Path) -> float:
+    """The seconds the run trained, over every call that trained it (a resumed run's earlier calls too): its
+    epochs' steps and kNN monitor, from the epoch records of its log."""
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    epochs = [r for r in records if r.get("type") == "epoch"]
+    return sum(r.get("epoch_time_s", 0.0) + r.get("monitor_time_s", 0.0) for r in epochs)
 
 
 def knn_curve(log_path: Path) -> list[tuple[int, float]]:

@@ -2,27 +2,32 @@
 clearly does not fit, or that runs out of memory, is told.
 
 The paper's recipe (ResNet-50, batch 256, 224 px teacher, 2 crops and 5 patches) on a CPU was killed by the
-kernel for memory without a word (exit 137). :func:`check_budget` measures the run's step before it starts:
+kernel for memory without a word (exit 137). :func:`check_budget` says what it measures, then measures the run's
+step before it starts:
 
 * the memory: the weights, buffers, gradients and momentum of the method (counted), plus the activations of a
-  step, on a line through steps of 1 and 2 images out to ``data.batch_size``: on a CPU the most bytes kept at
-  once for the backward pass
+  step. On a CPU (:func:`estimate_step`) the step of the whole batch is traced on fake tensors, shapes without
+  computation (three real steps of 1, 2 and 1 images of the paper's recipe took 749 s on a busy CPU before a
+  refusal; the trace takes seconds), and its activations are the most bytes kept at once for the backward pass
   (through ``torch.autograd.graph.saved_tensors_hooks``, view groups back-propagated one by one as the run does),
-  which leaves out temporary buffers (e.g. the teacher's distances to the vocabulary), so it is a floor; on a GPU
-  the allocator's own peak, temporary buffers included;
-* the time per epoch: a step's time on the same line, times the steps of an epoch, loading the images not counted
-  (on a CPU, where a step's time grows about in proportion to its images; a GPU's small steps say little about a
-  full batch, so none is given there). On a busy machine it is rough;
+  which leaves out temporary buffers (e.g. the teacher's distances to the vocabulary), so it is a floor. On a GPU
+  (:func:`measure_step`) steps of 1 and 2 images are run, a line through them out to ``data.batch_size``, the
+  allocator's own peak, temporary buffers included;
+* the time per epoch, on a CPU: the traced step's floating-point operations at the rate this CPU does the
+  student's forward and backward pass on one image (:func:`cpu_flop_rate`), times the steps of an epoch, loading
+  the images not counted (a GPU's small steps say little about a full batch, so none is given there). On a busy
+  machine it is rough;
 * what the machine has: ``MemAvailable`` of ``/proc/meminfo``, the control group's limit less its use, and the
   address-space limit (``ulimit -v``) less what the process maps; on a GPU, ``torch.cuda.mem_get_info``.
 
 A run whose estimate is above :data:`REFUSE_ABOVE` of what is available is refused with one line naming what to
-lower; above :data:`WARN_ABOVE`, warned about. The measurement costs three small steps on a model built for it
-(4 images in all), so it is made only where a generous bound (:func:`rough_bound`) says the run may need more
-than a quarter of the memory available; the random generators are left as they were.
+lower; above :data:`WARN_ABOVE`, warned about. The measurement builds the method once, so it is made only where a
+generous bound (:func:`rough_bound`) says the run may need more than a quarter of the memory available; the
+random generators are left as they were.
 
-An out-of-memory error during training still happens where the estimate is low (temporary buffers, another job
-taking memory): :func:`out_of_memory` turns the allocator's message into one line naming what to lower.
+An out-of-memory error still happens where the estimate is low (temporary buffers, another job taking memory),
+and before the first step (the image cache, the kNN monitor): :func:`out_of_memory` turns the allocator's message
+(or Python's ``MemoryError``) into one line naming where it happened and what to lower.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import os
 import re
 import resource
 import time
+import traceback
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,7 +143,7 @@ class SavedPeak:
 
     def pack(self, tensor: torch.Tensor) -> Any:
         holder = _Held(tensor)
-        key = tensor.untyped_storage().data_ptr()
+        key = storage_key(tensor)
         entry = self.live.setdefault(key, [tensor.untyped_storage().nbytes(), 0])
         if entry[1] == 0:
             self.now += entry[0]
@@ -157,6 +163,12 @@ class SavedPeak:
     def watching(self) -> Any:
         with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda held: held.tensor):
             yield self
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Which storage ``tensor`` views: the address of its storage object, the same for every view of it, and
+    distinct for every storage alive (a fake tensor's data address is 0 for all)."""
+    return int(tensor.untyped_storage()._cdata)
 
 
 class _Held:
@@ -220,6 +232,101 @@ def measure_step(cfg: Config, device: torch.device) -> tuple[int, int, float, st
     return states, activations, step, how
 
 
+def estimate_step(cfg: Config, device: torch.device) -> tuple[int, int, float | None, str]:
+    """The same four as :func:`measure_step`, from one step of ``data.batch_size`` images per process traced on
+    fake tensors (``torch._subclasses.fake_tensor``: shapes, dtypes and the autograd graph, no computation and
+    no memory), on a CPU: the activations are the bytes that step keeps for its backward pass, counted as
+    :class:`SavedPeak` counts a real one, and its time is its floating-point operations
+    (``torch.utils.flop_counter``) at the rate this CPU does the student's forward and backward on one image of
+    its smallest view (:func:`cpu_flop_rate`; ``None`` where the method has no ``student``). Seconds where the
+    measured steps of the paper's ResNet-50 took minutes on a busy CPU."""
+    from obow.methods import build_method
+    from obow.training.run.precision import precision_context
+
+    model = build_method(cfg, total_iterations=1000, resuming=True).to(device).train()
+    model.diagnose = False  # as on most steps of a run: the diagnostics are computed on the logged ones
+    model.host_iteration = 0  # the teacher's momentum without reading the iteration off the (fake) buffer
+    states = state_bytes(model)
+    per_group = cfg.train.backward_per_group and model.supports_groups
+    batch = cfg.data.batch_size // D.world_size()
+    autocast = precision_context(cfg.train.precision, device)
+    student = getattr(model, "student", None)
+    one = probe_batch(cfg, 1)
+    rate = cpu_flop_rate(student, one, autocast) if isinstance(student, torch.nn.Module) else None
+    shapes = [value.shape[1:] for key, value in one.items() if key != "teacher"]
+    # the host's random draws of the step (OBoW's cut-mix boxes) made for real: they are read off the host
+    model.host_inputs = model.draw_host_inputs([torch.empty(batch, *shape, device="meta") for shape in shapes])
+    try:
+        activations, flops = trace_step(model, one, batch, device, cfg.train.channels_last, autocast, per_group)
+    except Exception as err:  # noqa: BLE001 - an operation fake tensors cannot run (a value read off the device)
+        del model
+        if D.is_main_process():
+            log.info("Cost: the step cannot be traced at its shapes (%s); measuring small steps instead", err)
+        return measure_step(cfg, device)
+    return states, activations, flops / rate if rate else None, "kept for the backward pass, a floor"
+
+
+def trace_step(
+    model: torch.nn.Module,
+    one: dict[str, torch.Tensor],
+    batch: int,
+    device: torch.device,
+    channels_last: bool,
+    autocast: contextlib.AbstractContextManager,
+    per_group: bool,
+) -> tuple[int, int]:
+    """The bytes a step of ``batch`` copies of the views ``one`` keeps for its backward pass, and its
+    floating-point operations, from ``model``'s step traced on fake tensors (its weights and buffers replaced by
+    fake ones of their shapes: the model is of no use afterwards)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from obow.training.step.shared import forward_backward, to_device
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    for module in model.modules():  # every weight and buffer as a fake tensor of its shape
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(fake.from_tensor(param), param.requires_grad)
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = fake.from_tensor(buffer)
+    with fake:
+        views = {key: value.expand(batch, *value.shape[1:]).clone() for key, value in one.items()}
+        teacher, groups = to_device(views, device, channels_last)
+        with FlopCounterMode(display=False) as flops, SavedPeak().watching() as saved:
+            forward_backward(model, teacher, groups, None, autocast, per_group)
+    return saved.peak, flops.get_total_flops()
+
+
+def cpu_flop_rate(
+    student: torch.nn.Module, one: dict[str, torch.Tensor], autocast: contextlib.AbstractContextManager
+) -> float:
+    """Floating-point operations per second of this CPU on ``student``'s forward and backward pass of one image
+    of the smallest view in ``one`` (a batch of one image's views): counted on a first pass, the faster of two more
+    timed."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    image = min((value.flatten(0, -4)[:1] for value in one.values()), key=lambda view: view.shape[-1])
+    training = student.training
+    student.eval()  # batch norm on one image: its running statistics (a batch's would be of one value)
+    with FlopCounterMode(display=False) as flops:
+        student_pass(student, image, autocast)
+    seconds = []
+    for _ in range(2):  # the faster of two: a busy machine's pauses are not the CPU's speed
+        start = time.perf_counter()
+        student_pass(student, image, autocast)
+        seconds.append(time.perf_counter() - start)
+    student.train(training).zero_grad(set_to_none=True)
+    return flops.get_total_flops() / max(min(seconds), 1e-9)
+
+
+def student_pass(student: torch.nn.Module, image: torch.Tensor, autocast: contextlib.AbstractContextManager) -> None:
+    with autocast:
+        features = student(image).pool5
+    features.float().sum().backward()
+
+
 def check_budget(cfg: Config, device: torch.device, iters_per_epoch: int) -> Cost | None:
     """Measure the run's cost before its first step (when :func:`rough_bound` is above a quarter of the memory
     available), say it in one line, and refuse (:class:`~obow.training.run.state.RunError`) or warn when it clearly
@@ -227,15 +334,32 @@ def check_budget(cfg: Config, device: torch.device, iters_per_epoch: int) -> Cos
     available = available_memory(device)
     if rough_bound(cfg) < (available / 4 if available is not None else MEASURE_FROM):
         return None
+    if D.is_main_process():
+        log.info("Cost: %s", what_is_measured(cfg, device))
     rng = get_rng_state()
+    seconds: float | None
     try:
-        states, activations, seconds, how = measure_step(cfg, device)
+        if device.type == "cpu":  # traced at the batch's shapes: seconds, where measured steps took minutes
+            states, activations, seconds, how = estimate_step(cfg, device)
+        else:  # a GPU's steps of 1 and 2 images take a fraction of a second
+            states, activations, seconds, how = measure_step(cfg, device)
     finally:
         set_rng_state(rng)
-    epoch = seconds * iters_per_epoch if device.type == "cpu" else None
+    epoch = seconds * iters_per_epoch if device.type == "cpu" and seconds is not None else None
     cost = Cost(states, activations, epoch, available, how)
     judge(cost, cfg, device)
     return cost
+
+
+def what_is_measured(cfg: Config, device: torch.device) -> str:
+    """The line said before :func:`check_budget` measures: what it measures, and how."""
+    batch = f"data.batch_size={cfg.data.batch_size}" + (f" ({D.world_size()} processes)" if D.world_size() > 1 else "")
+    if device.type == "cpu":
+        return (
+            f"estimating the memory and time of a step at {batch} before the first step: its tensors traced at "
+            "their shapes (no computation), the time from this CPU's speed on one image"
+        )
+    return f"measuring steps of 1 and {PROBE_IMAGES} images on {device} before the first step, out to {batch}"
 
 
 def judge(cost: Cost, cfg: Config, device: torch.device) -> None:
@@ -269,15 +393,50 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def out_of_memory(err: BaseException, cfg: Config) -> RunError | None:
-    """One line for an out-of-memory error of the allocator (CPU or GPU), naming what to lower; ``None`` for any
-    other error."""
+def allocation_failed(err: BaseException) -> str | None:
+    """For an out-of-memory error (PyTorch's CPU or GPU allocator, or Python's ``MemoryError``): how much it asked
+    for, as `` (it asked for N more)`` (empty when its message does not say); ``None`` for any other error."""
     text = str(err)
-    if not (isinstance(err, torch.OutOfMemoryError) or "not enough memory" in text or "can't allocate memory" in text):
+    if not (
+        isinstance(err, (torch.OutOfMemoryError, MemoryError))
+        or "not enough memory" in text
+        or "can't allocate memory" in text
+    ):
         return None
     found = re.search(r"[Tt]ried to allocate (\d+ bytes|[\d.]+ [KMGT]iB)", text)
-    asked = f" (it asked for {found.group(1)} more)" if found else ""
-    return RunError(f"out of memory during training{asked} at data.batch_size={cfg.data.batch_size}: {LOWER}")
+    return f" (it asked for {found.group(1)} more)" if found else ""
+
+
+#: Where in a run an out-of-memory error happened, by the module it was raised in (the innermost that matches),
+#: and what lowers that part's memory; the rest of a run is its steps (:data:`LOWER`).
+PHASES = (
+    (
+        "obow/data/cache.py",
+        "building or reading the image cache of data.pipeline=device",
+        "lower data.cache_size (the side every image is cached at), or use data.pipeline=workers",
+    ),
+    (
+        "obow/evaluate/",
+        "in the kNN monitor (its --val images' features)",
+        "use fewer --val images, or train.knn_every=0 (no monitor)",
+    ),
+)
+
+
+def out_of_memory(err: BaseException, cfg: Config | None) -> RunError | None:
+    """One line for an out-of-memory error of the allocator (CPU or GPU) or of Python, naming where in the run it
+    happened (:data:`PHASES`: the image cache, the kNN monitor; else the steps, at ``cfg``'s batch size when given)
+    and what to lower; ``None`` for any other error."""
+    asked = allocation_failed(err)
+    if asked is None:
+        return None
+    # the frames it passed through, and the text of a loader worker's traceback, which it carries in its message
+    seen = [frame.filename.replace(os.sep, "/") for frame in traceback.extract_tb(err.__traceback__)] + [str(err)]
+    for part, where, lower in PHASES:
+        if any(part in name for name in seen):
+            return RunError(f"out of memory {where}{asked}: {lower}")
+    batch = f" at data.batch_size={cfg.data.batch_size}" if cfg is not None else ""
+    return RunError(f"out of memory during training{asked}{batch}: {LOWER}")
 
 
 #: How many images :func:`check_view_sizes` opens (their headers only), spread over the folder.

@@ -1,21 +1,24 @@
-"""A training run's speed on a quiet machine and beside one CPU-bound process, for several OpenMP wait settings.
+"""A training run's speed on a quiet machine and beside one CPU-bound process, for several thread settings.
 
 A 2-thread PyTorch run whose OpenMP threads spin while they wait collapses when another process holds one of
 the cores: each parallel region waits for the thread that shares its core, and the spinning thread takes the
 time that thread needed. This benchmark runs the same short ``obow pretrain`` (the demo's recipe on the demo's
 digit mosaics, written once into a temporary folder) in a fresh process per measurement, as a user runs it:
-with nothing beside it ("quiet") and beside one ``while True: pass`` process ("busy"), for each setting of the
-environment given, in alternating rounds (each round rotates the order). It reads the seconds a step from the
-run's own log (``epoch_time_s`` of the last epoch, over its steps: views, step and logging; the first epoch
-carries the start-up) and prints, per setting, the median quiet and busy seconds a step and busy / quiet.
+with nothing beside it ("quiet") and beside one ``while True: pass`` process ("busy", started a second before),
+for each setting of the environment given, in alternating rounds (each round rotates the order). It reads the
+seconds a step from the run's own log (``epoch_time_s`` of the last epoch over its steps: views, step and
+logging; the first epoch carries the start-up) and prints, per setting, the median quiet and busy seconds a step
+and busy / quiet.
 
 Settings are ``NAME=VAR=VALUE,VAR=VALUE`` (``NAME=`` alone: the environment as it is, so obow's own choice):
 
     python benchmarks/busy_machine.py --rounds 3
-    python benchmarks/busy_machine.py --setting obow= --setting spin=GOMP_SPINCOUNT=300000 --json busy.json
+    python benchmarks/busy_machine.py --setting obow= --setting fixed=OMP_NUM_THREADS=2 --json busy.json
 
-``GOMP_SPINCOUNT=300000`` is libgomp's own default (PyTorch's OpenMP runtime on Linux), what every obow run
-used before obow chose how its threads wait (``obow.openmp``).
+The defaults: ``obow`` (threads chosen by obow and adapted to the cores others leave,
+:mod:`obow.training.run.busy`), ``fixed-2`` (``OMP_NUM_THREADS=2``: two threads throughout, what every run did
+before; OpenMP's own waiting) and ``passive`` (two threads that sleep at once when they wait,
+``OMP_WAIT_POLICY=PASSIVE``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-DEFAULT_SETTINGS = ("obow=", "libgomp-default=GOMP_SPINCOUNT=300000")
+DEFAULT_SETTINGS = ("obow=", "fixed-2=OMP_NUM_THREADS=2", "passive=OMP_NUM_THREADS=2,OMP_WAIT_POLICY=PASSIVE")
 
 
 def parse_setting(text: str) -> tuple[str, dict[str, str]]:
@@ -65,7 +68,7 @@ def one_run(data: Path, out: Path, env: dict[str, str], args: argparse.Namespace
         "train.knn_every=0",
         *args.overrides,
     ]
-    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
     environ.update(env)
     subprocess.run(command, env=environ, check=True, capture_output=True, timeout=args.timeout)
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
             for name, load in cases[shift:] + cases[:shift]:
                 neighbour = spinner() if load == "busy" else None
                 try:
-                    time.sleep(0.5 if neighbour else 0)
+                    time.sleep(1.0 if neighbour else 0)
                     out = Path(tmp) / f"run-{r}-{name}-{load}"
                     seconds = one_run(train, out, settings[name], args)
                 finally:

@@ -116,12 +116,13 @@ def speeds(monkeypatch):
 
 def test_the_demo_estimate_is_its_steps_passes_and_data_by_hand():
     """demo: 16 epochs of 3,592 // 64 = 56 steps (896), the monitor every epoch (16 passes) and the final table's
-    2; demo_fp32: the monitor at epochs 4, 8, 12 and 16; demo_short: at 4 and 8, over 448 steps."""
+    2; demo_fp32: the monitor at epochs 4, 8, 12 and 16; demo_short: 8 epochs of 3,592 // 32 = 112 steps (896),
+    the monitor at 4 and 8."""
     probe = demo_probe.Probe("x", "fp32", step_seconds=0.1, pass_seconds=2.0)
     fixed = demo_probe.FIXED_SECONDS
     assert demo_probe.estimate_seconds(load_config("demo"), probe, True) == pytest.approx(89.6 + 18 * 2.0 + fixed)
     assert demo_probe.estimate_seconds(load_config("demo_fp32"), probe, False) == pytest.approx(89.6 + 6 * 2.0)
-    assert demo_probe.estimate_seconds(load_config("demo_short"), probe, False) == pytest.approx(44.8 + 4 * 2.0)
+    assert demo_probe.estimate_seconds(load_config("demo_short"), probe, False) == pytest.approx(89.6 + 4 * 2.0)
 
 
 def test_the_demo_runs_the_best_recipe_the_probe_says_fits(speeds):
@@ -174,7 +175,7 @@ def test_the_probe_times_real_steps_and_leaves_the_random_state_alone():
     assert demo_probe.fast_precisions(torch.device("cpu")) in (("fp32",), ("bf16", "fp32"))
 
 
-def test_the_short_recipe_is_demo_fp32_over_half_the_epochs():
+def test_the_short_recipe_is_demo_fp32s_steps_on_half_the_images():
     raw, base = _resolve_recipe("demo_short"), _resolve_recipe("demo_fp32")
     changed = {
         (section, key)
@@ -183,9 +184,9 @@ def test_the_short_recipe_is_demo_fp32_over_half_the_epochs():
         for key in raw[section]
         if raw[section][key] != base[section].get(key)
     }
-    assert changed == {("optim", "epochs"), ("optim", "warmup_epochs")}
+    assert changed == {("optim", "epochs"), ("optim", "warmup_epochs"), ("data", "batch_size")}
     short, full = load_config("demo_short"), load_config("demo_fp32")
-    assert (short.optim.epochs, short.optim.warmup_epochs) == (full.optim.epochs // 2, 2)
+    assert (short.data.batch_size, short.optim.epochs) == (full.data.batch_size // 2, full.optim.epochs // 2)
 
 
 def test_the_no_bf16_recipe_is_the_demo_recipe_with_one_crop_and_a_quarter_of_the_monitor():

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).parent.parent / "src" / "obow"
 #: (docs/development.md, "The package"). ``obow/__init__``, the facade that names the public objects and holds
 #: the version, stands outside them.
 FLOORS = (
-    ("checks", "files", "notices", "schedules", "distributed", "diagnostics", "graphs", "openmp"),
+    ("checks", "files", "notices", "schedules", "distributed", "diagnostics", "graphs"),
     ("backbones",),
     ("config",),
     ("bow", "data"),

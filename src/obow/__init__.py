@@ -5,12 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from obow.openmp import wait_briefly
-
 __version__ = "0.1.0"
-
-# OpenMP threads that wait briefly, set before PyTorch loads its runtime (obow.openmp; a user's setting wins)
-wait_briefly()
 
 #: Public names and the module that defines each. They are imported on first use, so that ``import obow``
 #: (and the ``obow`` command's parser, which ``obow --help`` builds) does not pay for PyTorch.

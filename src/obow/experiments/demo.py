@@ -24,7 +24,7 @@ prototype episodes (the paper's second protocol) and weighted kNN on the validat
 
 The recipe depends on how fast this machine is, measured (:func:`choose_recipe`,
 :mod:`obow.experiments.demo_probe`): the digits train with the first of ``demo``, ``demo_fp32`` (one crop a step,
-the kNN monitor every 4 epochs) and ``demo_short`` (``demo_fp32`` over half the epochs) whose demo a probe of a few
+the kNN monitor every 4 epochs) and ``demo_short`` (``demo_fp32``'s steps at half the batch) whose demo a probe of a few
 seconds estimates within 3 minutes, in bf16 where this machine computes it faster than fp32.
 """
 

@@ -246,3 +246,74 @@ def test_every_training_module_imports_first_in_a_fresh_process():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == str(len(modules) + 2)
+
+
+# ------------------------------------------------------------- the training loop and the model: Method's calls only
+
+
+def names_a_model(node: ast.expr) -> bool:
+    """Whether ``node`` names a model: ``model``, ``step_model``, ``run.model``, ``self.model``, ..."""
+    if isinstance(node, ast.Name):
+        return node.id.endswith("model")
+    return isinstance(node, ast.Attribute) and node.attr.endswith("model")
+
+
+def model_pokes(source: str) -> list[str]:
+    """The lines of ``source`` that set, delete or probe an attribute of a model (``model.x = ...``,
+    ``getattr(model, ...)``, ``hasattr``, ``setattr``, ``delattr``) rather than call what the method contract
+    (``obow.methods.base.Method``) offers."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = list(node.targets)
+        while any(isinstance(t, (ast.Tuple, ast.List)) for t in targets):
+            targets = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
+        if any(isinstance(t, ast.Attribute) and names_a_model(t.value) for t in targets):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and node.args
+            and names_a_model(node.args[0])
+        ):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_training_sets_and_probes_nothing_on_the_model():
+    """What a step needs from the loop goes through ``Method.begin_step``, a method's own count through
+    ``Method.realign_iteration``, a compiled step's tensors through ``use_momentum_input`` and
+    ``write_host_inputs``: nothing in obow.training sets an attribute on a model or probes one."""
+    pokes = {
+        path.relative_to(PACKAGE).as_posix(): found
+        for path in sorted(TRAINING.rglob("*.py"))
+        if (found := model_pokes(path.read_text()))
+    }
+    assert not pokes, pokes
+
+
+def test_the_poke_check_sees_sets_and_probes():
+    source = (
+        "def f(run, model, self):\n"
+        "    run.model.diagnose = True\n"
+        "    model.a, model.b = 1, 2\n"
+        "    self.model.c += 1\n"
+        "    buffer = getattr(model, 'iteration', None)\n"
+        "    hasattr(run.step_model, 'x')\n"
+        "    model.begin_step(True, 3)\n"
+        "    x = model.student\n"
+        "    getattr(record, 'shape')\n"
+    )
+    assert [line.split(":")[0] for line in model_pokes(source)] == [f"line {n}" for n in (2, 3, 4, 5, 6)]
+
+
+def test_no_training_file_is_over_400_lines():
+    lines = {p.relative_to(PACKAGE).as_posix(): len(p.read_text().splitlines()) for p in TRAINING.rglob("*.py")}
+    long = {name: n for name, n in lines.items() if n > 400}
+    assert not long, long

@@ -78,7 +78,7 @@ def test_the_cost_measured_on_small_steps_extrapolates_to_the_batch(tiny_recipe)
     from obow.training.step.shared import forward_backward, to_device
 
     model = build_method(cfg, total_iterations=1000, resuming=True).train()
-    model.diagnose = False
+    model.begin_step(logged=False)
     teacher, views = to_device(budget_check.probe_batch(cfg, 8), torch.device("cpu"), False)
     with SavedPeak().watching() as saved:
         forward_backward(model, teacher, views, None, precision_context("fp32", torch.device("cpu")), True)

@@ -187,7 +187,7 @@ def measure_step(cfg: Config, device: torch.device) -> tuple[int, int, float, st
     from obow.training.step.shared import forward_backward, to_device
 
     model = build_method(cfg, total_iterations=1000, resuming=True).to(device).train()
-    model.diagnose = False  # as on most steps of a run: the diagnostics are computed on the logged ones
+    model.begin_step(logged=False)  # as on most steps of a run: the diagnostics are computed on the logged ones
     states = state_bytes(model)
     per_group = cfg.train.backward_per_group and model.supports_groups
     peaks: dict[int, int] = {}

@@ -320,8 +320,7 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
             cosine_per_epoch=cfg.optim.cosine_per_epoch,
         )
         logged = logged_step(state.iteration + 1, interval, state.batch_in_epoch + 1 == run.iters_per_epoch)
-        run.model.diagnose = logged
-        run.model.host_iteration = state.iteration  # the model's iteration, counted here: no read of the device's
+        run.model.begin_step(logged, state.iteration)  # the model's iteration, counted here: no read of the device's
         assert run.watch is not None  # pretrain sets it
         with run.watch.step(state.iteration + 1):
             metrics = train_step(run, batch["image"], lr)

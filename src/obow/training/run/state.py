@@ -302,7 +302,7 @@ def note_plan_change(log_path: Path, iteration: int, before: int, after: int) ->
 
 def restore(
     ckpt: dict[str, Any],
-    model: nn.Module,
+    model: Method,
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
     iters_per_epoch: int,
@@ -317,7 +317,7 @@ def restore(
     progress = ckpt.get("epoch_progress") or {}  # absent from version-1 checkpoints, which had none
     epoch, batch = ckpt["epoch"], min(ckpt["batch_in_epoch"], iters_per_epoch)
     if epoch * iters_per_epoch + batch != ckpt["iteration"]:
-        realign_iteration(model, epoch * iters_per_epoch + batch)
+        model.realign_iteration(epoch * iters_per_epoch + batch)
     return RunState(
         epoch=epoch,
         batch_in_epoch=batch,
@@ -329,16 +329,6 @@ def restore(
         epoch_steps=progress.get("steps", 0),
         epoch_seconds=progress.get("seconds", 0.0),
     )
-
-
-def realign_iteration(model: nn.Module, iteration: int) -> None:
-    """Set the model's ``iteration`` buffer (of the methods that keep one) to ``iteration``, where the run
-    continues when the steps per epoch changed with its training images (``data.on_change: continue``): the epoch
-    under way continues at the same batch of the new count (at its end, when the new epoch is shorter than
-    that), and the iteration is counted as the new plan counts it."""
-    buffer = getattr(model, "iteration", None)
-    if isinstance(buffer, torch.Tensor):
-        buffer.fill_(iteration)
 
 
 def this_process(per_process: list[Any]) -> Any:

@@ -234,7 +234,8 @@ def storages(model, optimizer, step: GraphedStep) -> dict[str, int]:
 def test_every_tensor_of_the_step_keeps_its_storage(tmp_path):
     """Parameters, gradients, buffers, optimiser state, learning rate, momentum, inputs and host draws keep their
     memory from the first step on, across the warm-up, the capture, replays, logged steps and a checkpoint save."""
-    from obow.training.run.state import RunState, save_run
+    from obow.training.run.checkpoints import save_run
+    from obow.training.run.state import RunState
 
     cfg = tiny_config(model={"cutmix": True, "vocabulary": "kmeans", "rare_word_steps": 2})
     model = build_model(cfg, 20, CPU).train()
@@ -365,7 +366,7 @@ def test_a_graphed_run_stopped_by_sigterm_resumes_to_the_uninterrupted_state(
     """SIGTERM after the 6th step (after the capture, between two replays): the run writes its checkpoint and
     stops; the same command resumes (a new capture) and ends in the uninterrupted graphed run's state."""
     from obow.training import loop
-    from obow.training.run.state import Interrupted
+    from obow.training.run.signals import Interrupted
 
     settings = run_settings(tmp_path, write_images)
     cfg = load_config(tiny_recipe, [*settings, "train.compile=graph"])

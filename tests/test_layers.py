@@ -142,7 +142,22 @@ TRAINING = PACKAGE / "training"
 #: ``build_step``), the parts the loop is built from, the loop. A module imports only from floors below its own,
 #: except the run's modules, which import one another (without a circle).
 TRAINING_FLOORS = (
-    ("run", "run.state", "run.lock", "run.logger", "run.guards", "run.settle", "run.threads", "run.precision"),
+    (
+        "run",
+        "run.state",
+        "run.signals",
+        "run.random_states",
+        "run.folder",
+        "run.settings_check",
+        "run.data_check",
+        "run.checkpoints",
+        "run.lock",
+        "run.logger",
+        "run.guards",
+        "run.settle",
+        "run.threads",
+        "run.precision",
+    ),
     ("step.shared",),
     ("step.eager", "step.compiled", "step.graphed", "step.watch"),
     ("step",),

@@ -28,7 +28,8 @@ from obow.diagnostics import effective_rank, feature_diagnostics
 from obow.training import cost as budget_check
 from obow.training.cost import SavedPeak, check_view_sizes, judge, measure_step
 from obow.training.run.guards import COLLAPSED_RANK, RunGuard
-from obow.training.run.state import SAME_REQUEST_SECONDS, RunError, handle_signals
+from obow.training.run.signals import SAME_REQUEST_SECONDS, handle_signals
+from obow.training.run.state import RunError
 from obow.weights.checkpoint import load_checkpoint
 
 __all__ = ["setup"]  # the module-scoped fixture of test_run_safety: its recipe and images

@@ -42,7 +42,8 @@ import torch
 
 from obow import distributed as D
 from obow.config import Config
-from obow.training.run.state import RunError, get_rng_state, set_rng_state
+from obow.training.run.random_states import get_rng_state, set_rng_state
+from obow.training.run.state import RunError
 
 log = logging.getLogger("obow")
 

@@ -16,7 +16,9 @@ A method is an ``nn.Module`` (a subclass of :class:`Method`) with
   (``group=0, 1, ...``), so that the loop back-propagates each group before building the next;
 * :meth:`~Method.begin_step`: what a step needs from the training loop, told before each step (whether it is
   logged, its iteration); :meth:`~Method.realign_iteration`: the method's own count of steps set where a resumed
-  run counts them otherwise; the training loop sets nothing else on a method and probes none of its attributes;
+  run counts them otherwise. The training loop talks to a method through its calls only (these, and
+  :meth:`~Method.use_momentum_input`, :meth:`~Method.write_host_inputs`, :meth:`~Method.synchronise_batchnorm`):
+  it sets and probes none of its attributes (``tests/test_layers.py``);
 * :meth:`~Method.prepare`: work done once before the first step of a new run (not on resumption: what it
   computes must live in the ``state_dict``), e.g. BoWNet's off-line k-means; nothing by default;
 * :meth:`~Method.forward` ``(teacher_images, student_views, group=None, grad_scale=1.0)`` returning a

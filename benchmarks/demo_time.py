@@ -11,7 +11,7 @@ kind (model name, AVX2 / AVX-512F / AVX-512 BF16 / AMX flags, :func:`obow.traini
 cores and the torch version. Prints one line per seed and writes ``--json``.
 
     python benchmarks/demo_time.py --json demo_time.json                 # seed 0: the demo's timing here
-    python benchmarks/demo_time.py --seeds 0 1 2 --json demo_time.json   # the 3 seeds of docs/demo.md
+    python benchmarks/demo_time.py --seeds 0 1 2 --json demo_time.json   # the 3 seeds of docs/results/demo.md
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def run_seed(out: Path, seed: int, recipe: str | None, overrides: list[str]) -> 
     return {
         "seed": seed,
         "recipe": report.get("recipe"),
-        "precision": cfg.train.precision,
+        "precision": report.get("precision", cfg.train.precision),
+        "choice": report.get("choice"),
         "knn_random_init": round(random_init, 2),
         "knn_pretrained": round(pretrained, 2),
         "gain": round(pretrained - random_init, 2),

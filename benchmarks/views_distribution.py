@@ -203,8 +203,8 @@ def measure_shape(cfg, size: tuple[int, int], n: int, seed: int = 0) -> dict:
 
 
 def colour_difference(n: int, seed: int = 0) -> dict:
-    """Colour jitter's float maths (the device pipeline) against PIL's, which rounds to 8 bits after each
-    operation (torchvision's functions on PIL images, what the workers run): ``n`` draws of the paper's factors on
+    """The device pipeline's colour jitter against PIL's, both rounding to 8 bits after each operation
+    (torchvision's functions on PIL images, what the workers run): ``n`` draws of the paper's factors on
     a photo-like image (colour ramps with noise), each operation alone and all four in a random order; per draw
     the mean absolute difference (in 0-255 levels) and the difference of the views' mean brightness (relative)."""
     from torchvision.transforms.v2 import functional as TF
@@ -216,7 +216,7 @@ def colour_difference(n: int, seed: int = 0) -> dict:
     smooth = np.stack([0.2 + 0.6 * x, 0.3 + 0.5 * y, 0.7 - 0.5 * x * y], -1)
     image = np.clip(smooth + rng.normal(0, 0.05, smooth.shape), 0, 1)
     pil = Image.fromarray((image * 255).round().astype(np.uint8))
-    base = torch.from_numpy(np.array(pil)).permute(2, 0, 1).float() / 255
+    base = torch.from_numpy(np.array(pil)).permute(2, 0, 1).float()  # 8-bit levels, as the device's colour maths
     ops = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue]
     out = {}
     for name, only in {"brightness": 0, "contrast": 1, "saturation": 2, "hue": 3, "all four": None}.items():
@@ -231,8 +231,8 @@ def colour_difference(n: int, seed: int = 0) -> dict:
                 worker = ops[k](worker, drawn[k]) if only is None or k == only else worker
             ours = color_jitter(base[None], torch.tensor([drawn]), torch.tensor([order]), torch.tensor([True]))[0]
             theirs = torch.from_numpy(np.array(worker)).permute(2, 0, 1).float()
-            levels.append(float((ours * 255 - theirs).abs().mean()))
-            brightness.append(float(ours.mean() * 255 / theirs.mean() - 1))
+            levels.append(float((ours - theirs).abs().mean()))
+            brightness.append(float(ours.mean() / theirs.mean() - 1))
         out[name] = {
             "mean abs levels": float(np.mean(levels)),
             "brightness, mean |relative|": float(np.mean(np.abs(brightness))),

@@ -4,8 +4,8 @@ One student crop group of a recipe (``views.num_crops`` random-resized crops of 
 jitter, grayscale, blur, flip and normalisation, every image with its own parameters) made from a batch of
 decoded ``uint8`` images already on ``--device``, by:
 
-* ``obow``: :class:`obow.data.batched_views.BatchedViews` (parameters drawn on the CPU, one ``roi_align`` for all
-  crops, batched colour maths, one grouped convolution for the blur);
+* ``obow``: :class:`obow.data.batched_views.BatchedViews` (parameters drawn on the CPU, Pillow's resampling filter
+  as two batched matrix products for all crops, batched colour maths, one grouped convolution for the blur);
 * ``kornia``: ``kornia.augmentation`` (per-sample parameters by default): RandomResizedCrop, ColorJitter,
   RandomGrayscale, RandomGaussianBlur, RandomHorizontalFlip, Normalize in an ``AugmentationSequential``;
 * ``torchvision``: ``torchvision.transforms.v2`` on one image at a time (its batched transforms share one draw of

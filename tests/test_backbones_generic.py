@@ -141,3 +141,26 @@ def test_random_init_of_a_timm_backbone_is_seeded():
     b, _ = load_backbone(random_init=True, arch="timm:regnetx_002", seed=3)
     for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert ka == kb and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "timm:resnet18", "torchvision:resnet18"])
+@pytest.mark.parametrize("levels", [("conv4",), ("conv5",), ("conv4", "conv5"), ("conv5", "conv4"), ("conv3",)])
+def test_maps_alone_equal_the_full_pass_and_stop_at_the_deepest_level(arch, levels):
+    """``Backbone.maps`` (what OBoW's teacher calls) returns exactly ``forward(x, levels).maps``, in train mode
+    (batch statistics) too; for the ResNets and timm it does not run the stages after the deepest level asked."""
+    from obow.backbones import build_backbone
+
+    torch.manual_seed(0)
+    backbone = build_backbone(arch, stem="torchvision" if arch.startswith("torchvision:") else "cifar").train()
+    x = torch.randn(4, 3, 32, 32)
+    full = backbone(x, levels).maps
+    ran = []
+    hooks = [m.register_forward_hook(lambda *_, name=n: ran.append(name)) for n, m in backbone.named_modules()]
+    alone = backbone.maps(x, levels)
+    for hook in hooks:
+        hook.remove()
+    assert list(alone) == list(levels)
+    for level in levels:
+        assert torch.equal(alone[level], full[level])
+    if arch != "torchvision:resnet18" and "conv5" not in levels:
+        assert not [n for n in ran if "layer4" in n]  # conv5's stage never ran

@@ -22,6 +22,7 @@ from obow.data.batched_views import (
     compiled_render,
     draw_patch_cells,
     gaussian_blur,
+    jitter_ranges,
     random_resized_boxes,
     resized_crops,
 )
@@ -211,13 +212,130 @@ def test_resized_crops_of_the_whole_image_at_its_size_are_the_image():
     torch.testing.assert_close(resized_crops(img, boxes, 16)[:, 0], img.float(), rtol=0, atol=1e-3)
 
 
-def test_resized_crops_shrink_with_an_area_filter():
-    """Halving a checkerboard of 1-pixel squares averages each 2x2 block to mid-grey (nearest sampling would
-    alias it to black or white)."""
-    board = (torch.arange(16)[:, None] + torch.arange(16)[None, :]) % 2 * 255
-    img = board.to(torch.uint8).expand(1, 3, 16, 16)
-    out = resized_crops(img, torch.tensor([[[0, 0, 16, 16]]]), 8)
-    torch.testing.assert_close(out, torch.full_like(out, 127.5), rtol=0, atol=1e-3)
+def photo(name: str) -> np.ndarray:
+    """scikit-learn's sample photo ``name`` (``china.jpg``, ``flower.jpg``: 427 x 640, shipped with the package)."""
+    from sklearn.datasets import load_sample_image
+
+    return load_sample_image(name).copy()
+
+
+def pillow_crop(img: np.ndarray, box, size: int) -> np.ndarray:
+    """What torchvision's RandomResizedCrop makes of a PIL image for an integer ``box`` (top, left, height, width):
+    the box cropped, then resized to ``size`` by Pillow's bilinear filter (float64 ``[size, size, 3]``)."""
+    top, left, height, width = (int(v) for v in box)
+    crop = Image.fromarray(img).crop((left, top, left + width, top + height))
+    return np.asarray(crop.resize((size, size), Image.BILINEAR), dtype=np.float64)
+
+
+def gradient_energy(x: np.ndarray) -> float:
+    """Mean squared difference of horizontal and vertical neighbours (``[h, w, ...]``): what a sharper filter raises."""
+    return float((np.diff(x, axis=0) ** 2).mean() + (np.diff(x, axis=1) ** 2).mean())
+
+
+def photo_boxes(
+    n: int, shape: tuple[int, int], seed: int, reduction=(1.0, 4.0)
+) -> list[tuple[tuple[int, int, int, int], int]]:
+    """``n`` integer boxes of images of ``shape`` with an output size each, reduced by a factor uniform in
+    ``reduction`` along each side (below 1: enlarged)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        size = int(rng.choice([16, 24, 32, 40]))
+        height, width = (min(s, max(1, round(size * rng.uniform(*reduction)))) for s in shape)
+        top, left = int(rng.integers(0, shape[0] - height + 1)), int(rng.integers(0, shape[1] - width + 1))
+        out.append(((top, left, height, width), size))
+    return out
+
+
+def compare_with_pillow(n: int, seed: int, reduction=(1.0, 4.0)) -> tuple[np.ndarray, np.ndarray]:
+    """Per box of :func:`photo_boxes` on both sample photos: the mean absolute difference of our crop from Pillow's
+    (in levels of 255) and the ratio of their gradient energies."""
+    diffs, ratios = [], []
+    for k, name in enumerate(("china.jpg", "flower.jpg")):
+        img = photo(name)
+        images = batch_of(img, 1)
+        for box, size in photo_boxes(n, img.shape[:2], seed + k, reduction):
+            ours = resized_crops(images, torch.tensor([[box]]), size)[0, 0].permute(1, 2, 0).double().numpy()
+            theirs = pillow_crop(img, box, size)
+            diffs.append(np.abs(ours - theirs).mean())
+            ratios.append(gradient_energy(ours) / gradient_energy(theirs))
+    return np.array(diffs), np.array(ratios)
+
+
+def test_resized_crops_are_pillows_on_photos():
+    """Crops of two photos reduced 1x to 4x: Pillow's own resize of the same boxes, to its rounding. Pillow 13
+    runs some reductions vertical pass first (its stored 8-bit intermediate then differs), where ours, as Pillow
+    before it, always runs the horizontal pass first: pixels off by one level then, nothing more. roi_align, what
+    rendered before, was 1.15x as sharp (gradient energy) and 1.3 levels off on average."""
+    diffs, ratios = compare_with_pillow(12, seed=0)
+    assert diffs.max() <= 0.5  # of 255, per box
+    assert diffs.mean() < 0.1
+    assert 0.97 <= np.median(ratios) <= 1.03
+    assert 0.9 < ratios.min() and ratios.max() < 1.1
+
+
+def test_enlarged_crops_are_pillows_to_the_box_edge():
+    """Boxes smaller than the view (CIFAR-10's crops): Pillow's bilinear filter, which, the box cropped first, reads
+    nothing outside it (roi_align read the neighbouring pixels at the view's border)."""
+    diffs, _ = compare_with_pillow(6, seed=3, reduction=(0.4, 1.0))
+    assert diffs.max() <= 0.5
+
+
+@pytest.mark.slow
+def test_resized_crops_are_pillows_on_200_boxes():
+    """The issue's measure: 240 boxes of two photos, reductions 1x-4x: per-box mean difference <= 0.5 of 255 and
+    median gradient-energy ratio within 0.97-1.03 (measured: mean 0.02 levels, median ratio 1.000)."""
+    diffs, ratios = compare_with_pillow(120, seed=10)
+    assert diffs.max() <= 0.5
+    assert 0.97 <= np.median(ratios) <= 1.03
+
+
+def test_resized_crops_halve_a_checkerboard_as_pillow():
+    """Halving a checkerboard of 1-pixel squares: Pillow's triangle filter (mid-grey inside, its edge weights at the
+    border), where nearest sampling would alias it to black or white."""
+    board = ((np.arange(16)[:, None] + np.arange(16)[None, :]) % 2 * 255).astype(np.uint8)
+    img = np.repeat(board[..., None], 3, axis=-1)
+    out = resized_crops(batch_of(img, 1), torch.tensor([[[0, 0, 16, 16]]]), 8)[0, 0].permute(1, 2, 0).numpy()
+    assert np.array_equal(out, pillow_crop(img, (0, 0, 16, 16), 8))
+    assert np.abs(out[1:-1, 1:-1] - 127.5).max() <= 1
+
+
+def test_a_padded_batch_renders_each_image_as_alone():
+    """Two photos of other sizes in one batch, padded with noise (not their edges): every view of each is the view
+    it gets alone, bit for bit: no filter weight reaches the padding."""
+    cfg = views_cfg(teacher_resize=40, teacher_size=36, patch_grid_size=40)
+    views = BatchedViews(cfg)
+    shapes = [(60, 90), (100, 48)]
+    names = ("china.jpg", "flower.jpg")
+    imgs = [photo(name)[100 : 100 + h, 200 : 200 + w] for name, (h, w) in zip(names, shapes, strict=True)]
+    padded = torch.randint(0, 256, (2, 3, 100, 90), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    for i, img in enumerate(imgs):
+        padded[i, :, : img.shape[0], : img.shape[1]] = torch.from_numpy(img).permute(2, 0, 1)
+    params = views.place(views.draw(2, torch.Generator().manual_seed(1)), torch.tensor(shapes))
+    together = views.render(padded, params)
+    for i, img in enumerate(imgs):
+        alone = views.render(batch_of(img, 1), params[i : i + 1])
+        for key, value in alone.items():
+            assert torch.equal(together[key][i : i + 1], value), key
+
+
+@pytest.mark.parametrize("shape", [(427, 640), (300, 200), (120, 150)])
+def test_the_teacher_view_is_pillows_resize_and_centre_crop(shape):
+    """The teacher's view of a photo (its flip off): torchvision's Resize + CenterCrop on the PIL image, to Pillow's
+    rounding (Pillow 13 resizes a tall image vertical pass first: a level off in some pixels)."""
+    from torchvision.transforms import v2
+
+    cfg = views_cfg(teacher_resize=72, teacher_size=64)
+    img = photo("china.jpg")[: shape[0], : shape[1]]
+    theirs = np.asarray(v2.CenterCrop(64)(v2.Resize(72)(Image.fromarray(img))), dtype=np.float64)
+    views = BatchedViews(cfg)
+    params = views.place(views.draw(1, torch.Generator().manual_seed(0)), torch.tensor([shape]))
+    params.teacher_flip[:] = False
+    out = views.render(batch_of(img, 1), params)["teacher"][0]
+    mean, std = torch.tensor(cfg.mean).view(3, 1, 1), torch.tensor(cfg.std).view(3, 1, 1)
+    ours = ((out * std + mean) * 255).permute(1, 2, 0).double().numpy()
+    assert np.abs(ours - theirs).max() < 1.01
+    assert np.abs(ours - theirs).mean() < 0.2
 
 
 def pil_box_pass(line: np.ndarray, sigma: float) -> np.ndarray:
@@ -336,40 +454,41 @@ def test_the_blur_matches_pils(sigma):
         assert pil_step_sigma(sigma) == 0.0
 
 
-def reference_jitter(view: torch.Tensor, factors, order) -> torch.Tensor:
-    """One view's colour jitter in float64: brightness, contrast and saturation written out as PIL's ImageEnhance
-    blends (ITU-R 601-2 luma, as PIL's ``convert("L")``; torchvision's tensor grayscale weighs red 0.2989), and
-    torchvision's hue rotation."""
+def pillow_jitter(view: torch.Tensor, factors, order) -> torch.Tensor:
+    """One view ``[3, h, w]`` (levels) through torchvision's brightness, contrast, saturation and hue on a PIL image
+    (Pillow's ``ImageEnhance`` and its 8-bit HSV: what the worker pipeline's ColorJitter runs), in ``order``."""
     from torchvision.transforms.v2 import functional as TF
 
-    x = view.double()
+    ops = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue]
+    img = Image.fromarray(view.permute(1, 2, 0).to(torch.uint8).numpy())
     for k in order:
-        f = float(factors[k])
-        luma = (0.299 * x[0] + 0.587 * x[1] + 0.114 * x[2]).expand_as(x)
-        if k == 0:
-            x = (f * x).clamp(0, 1)
-        elif k == 1:
-            x = (f * x + (1 - f) * luma.mean()).clamp(0, 1)
-        elif k == 2:
-            x = (f * x + (1 - f) * luma).clamp(0, 1)
-        else:
-            x = TF.adjust_hue(x, f)
-    return x
+        img = ops[k](img, float(factors[k]))
+    return torch.from_numpy(np.array(img)).permute(2, 0, 1).float()
 
 
-def test_colour_jitter_is_each_views_operations_in_its_own_order():
-    """Each view's brightness, contrast, saturation and hue with its own factors in its own order, against a
-    float64 reference applied one view at a time; views without jitter unchanged, bit for bit."""
-    g = torch.Generator().manual_seed(0)
-    n = 64
-    x = torch.rand(n, 3, 9, 7, generator=g)
-    x[:4] = x[:4, :1]  # grey views (no hue)
-    x[4] = 0.5  # a flat one
-    x[5, :, :3] = 1.0  # saturated by brightness
+def jitter_draws(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Factors ``[n, 4]`` (wide ranges), orders ``[n, 4]`` and whether each view jitters ``[n]``."""
     factors = torch.stack([torch.empty(n).uniform_(0.2, 1.8, generator=g) for _ in range(3)]
                           + [torch.empty(n).uniform_(-0.5, 0.5, generator=g)], dim=1)  # fmt: skip
     order = torch.argsort(torch.rand(n, 4, generator=g), dim=1)
-    apply = torch.rand(n, generator=g) < 0.8
+    return factors, order, torch.rand(n, generator=g) < 0.8
+
+
+def test_colour_jitter_is_pillows_in_each_views_order():
+    """Each view's brightness, contrast, saturation and hue with its own factors in its own order: Pillow's result
+    (torchvision on a PIL image), level for level, on random, grey, flat and saturated views and crops of a photo;
+    views without jitter unchanged, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    n = 64
+    x = torch.randint(0, 256, (n, 3, 9, 7), generator=g).float()
+    x[:4] = x[:4, :1]  # grey views (no hue)
+    x[4] = 128.0  # a flat one
+    x[5, :, :3] = 255.0  # saturated by brightness
+    img = photo("flower.jpg")
+    for i in range(6, 30):  # crops of a photo
+        top, left = 13 * i, 19 * i
+        x[i] = torch.from_numpy(img[top : top + 9, left : left + 7]).permute(2, 0, 1).float()
+    factors, order, apply = jitter_draws(n, g)
     before = x.clone()
     out = color_jitter(x, factors, order, apply)
     assert torch.equal(x, before)  # the input is left alone
@@ -378,12 +497,33 @@ def test_colour_jitter_is_each_views_operations_in_its_own_order():
     assert apply.sum() > 40 and (~apply).sum() > 5
     for i in range(n):
         if apply[i]:
-            ref = reference_jitter(x[i], factors[i], order[i].tolist())
-            torch.testing.assert_close(out[i].double(), ref, rtol=0, atol=3e-6)
+            assert torch.equal(out[i], pillow_jitter(x[i], factors[i], order[i].tolist())), i
         else:
             assert torch.equal(out[i], x[i])
     wrong = color_jitter(x, factors, order.flip(1), apply)  # the test sees the order
-    assert (wrong - out).abs().max() > 1e-2
+    assert (wrong - out).abs().max() > 2
+
+
+def test_the_jitter_keeps_pillows_brightness_on_photos():
+    """The issue's measure: crops of two photos through the four operations with the paper's strengths: the mean
+    brightness of each view within 0.3 % of Pillow's (the float maths before were 1.6 % brighter on average); in
+    fact the same levels."""
+    g = torch.Generator().manual_seed(5)
+    crops = []
+    for name in ("china.jpg", "flower.jpg"):
+        img = photo(name)
+        crops += [img[40 * i : 40 * i + 48, 60 * i : 60 * i + 48] for i in range(8)]
+    x = torch.stack([torch.from_numpy(c).permute(2, 0, 1).float() for c in crops])
+    n = len(x)
+    factors = torch.stack(
+        [torch.empty(n).uniform_(lo, hi, generator=g) for lo, hi in jitter_ranges((0.4, 0.4, 0.4, 0.1))], 1
+    )
+    order = torch.argsort(torch.rand(n, 4, generator=g), dim=1)
+    out = color_jitter(x, factors, order, torch.ones(n, dtype=torch.bool))
+    theirs = torch.stack([pillow_jitter(x[i], factors[i], order[i].tolist()) for i in range(n)])
+    relative = out.mean(dim=(1, 2, 3)) / theirs.mean(dim=(1, 2, 3)) - 1
+    assert relative.abs().max() < 0.003
+    assert torch.equal(out, theirs)
 
 
 def test_the_dense_colour_jitter_is_the_picked_one_bit_for_bit():
@@ -392,13 +532,11 @@ def test_the_dense_colour_jitter_is_the_picked_one_bit_for_bit():
     saturated views too; the check sees a view whose operation is dropped."""
     g = torch.Generator().manual_seed(1)
     n = 48
-    x = torch.rand(n, 3, 6, 5, generator=g)
+    x = torch.randint(0, 256, (n, 3, 6, 5), generator=g).float()
     x[:3] = x[:3, :1]
-    x[3] = 0.25
-    factors = torch.stack([torch.empty(n).uniform_(0.2, 1.8, generator=g) for _ in range(3)]
-                          + [torch.empty(n).uniform_(-0.5, 0.5, generator=g)], dim=1)  # fmt: skip
-    order = torch.argsort(torch.rand(n, 4, generator=g), dim=1)
-    apply = torch.rand(n, generator=g) < 0.8
+    x[3] = 64.0
+    factors, order, apply = jitter_draws(n, g)
+    factors[7, 3] = 0.0  # a hue shift of 0: no operation in either
     picked = color_jitter(x, factors, order, apply)
     assert torch.equal(color_jitter_dense(x, factors, order, apply), picked)
     one_less = apply.clone()

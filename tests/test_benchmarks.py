@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -333,6 +334,20 @@ def test_render_times_the_eager_dense_and_compiled_renders_in_the_same_rounds(tm
     assert "compilation (first compiled call)" in capsys.readouterr().out
 
 
+def test_render_times_the_render_of_a_git_commit_beside_todays(capsys):
+    """``--baseline REF``: the render as it was at a commit (here HEAD), loaded from git, timed in the same rounds;
+    the mode without ``--baseline`` is refused in one line."""
+    render = load_script("render")
+    result = render.main(["--config", "cifar10_fast", "--device", "cpu", "--warmup", "0", "--steps", "1", "--rounds",
+                          "2", "--modes", "eager", "baseline", "--baseline", "HEAD", "data.batch_size=4"])  # fmt: skip
+    assert set(result["images_per_s"]) == {"eager", "baseline"} and result["baseline"] == "HEAD"
+    assert all(len(r) == 2 and min(r) > 0 for r in result["rounds"].values())
+    assert math.isfinite(result["max_abs_diff"]["baseline"]) and result["max_abs_diff"]["eager"] == 0.0
+    assert "the render at HEAD" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="needs --baseline"):
+        render.main(["--config", "cifar10_fast", "--device", "cpu", "data.batch_size=4", "--modes", "baseline"])
+
+
 def test_monitor_times_reading_and_keeping_monitors_on_the_same_backbone(tmp_path, tiny_recipe, write_images):
     monitor = load_script("monitor")
     train, val = write_images(tmp_path / "train", per_class=5, size=28), write_images(tmp_path / "val", per_class=3)
@@ -459,7 +474,7 @@ def test_demo_time_reads_the_cpu_kind_and_the_pretrainings_parts(tmp_path):
 
 @pytest.mark.slow  # a real (tiny) demo in a child process
 def test_demo_time_times_a_tiny_demo_and_writes_its_gain(tmp_path, capsys):
-    from obow.experiments.demo import DATASETS, choose_recipe
+    from obow.experiments.demo import DATASETS
 
     demo_time = load_script("demo_time")
     out = tmp_path / "demo_time.json"
@@ -467,8 +482,8 @@ def test_demo_time_times_a_tiny_demo_and_writes_its_gain(tmp_path, capsys):
     result = demo_time.main(["--out", str(tmp_path / "runs"), "--seeds", "0", "--json", str(out), *tiny])
     assert json.loads(out.read_text()) == result
     (row,) = result["runs"]
-    assert row["recipe"] in ("demo", "demo_fp32") and row["precision"] in ("bf16", "fp32")
-    assert row["recipe"] == choose_recipe(DATASETS["digits"], tiny)[0]  # the demo's own choice for this machine
+    assert row["recipe"] in DATASETS["digits"].recipes and row["precision"] in ("bf16", "fp32")
+    assert row["choice"].startswith(f"Demo: recipe '{row['recipe']}' in {row['precision']}")  # the probe's line
     assert row["gain"] == round(row["knn_pretrained"] - row["knn_random_init"], 2)
     assert row["wall_s"] > 0 and row["cpu_s"] > 0 and row["steps"] > 0 and row["epochs"] == 2
     assert "seed 0: recipe" in capsys.readouterr().out
@@ -484,3 +499,58 @@ def test_the_readme_lists_every_script_and_only_those_there():
     assert rows == scripts
     gone = set(re.findall(r"^\| `([\w.]+\.py)` \|", left, flags=re.M))
     assert gone and not gone & scripts
+
+
+# ------------------------------------------------------------------ obow's step against the authors' (issue 65)
+
+#: a copy of valeoai/obow's modules (their code is run, never copied into this repository): the side-by-side
+#: benchmark's real run is tested only where one is there
+OFFICIAL = Path(os.environ.get("OBOW_OFFICIAL", "/work/official-obow"))
+
+
+@pytest.mark.parametrize("builder", [None, "class OBoW(object):\n    pass\n"])
+def test_official_step_refuses_a_folder_without_the_authors_code_in_one_line(tmp_path, tiny_recipe, builder):
+    official_step = load_script("official_step")
+    if builder is not None:  # a builder_obow.py that is not theirs (no OBoWSolver)
+        (tmp_path / "obow").mkdir()
+        (tmp_path / "obow" / "builder_obow.py").write_text(builder)
+    with pytest.raises(SystemExit) as refused:
+        official_step.main(["--official", str(tmp_path), "--config", str(tiny_recipe), "--device", "cpu"])
+    message = refused.value.code
+    assert isinstance(message, str) and "\n" not in message  # one line, printed by Python without a traceback
+    assert message.startswith(f"--official {tmp_path}: not a copy of the authors' code (valeoai/obow)")
+    assert "obow/builder_obow.py" in message
+
+
+@pytest.mark.skipif(not (OFFICIAL / "obow" / "builder_obow.py").is_file(), reason=f"no valeoai/obow copy at {OFFICIAL}")
+def test_official_step_runs_both_steps_from_the_same_weights_and_catches_another_computation(tmp_path, tiny_recipe):
+    """One round on the tiny recipe: obow's step is the authors' computation (the first step's loss and the
+    student after it), a setting at another learning rate is caught (status 1), and the authors' modules are
+    gone from ``sys.modules`` afterwards (their package is also named ``obow``)."""
+    import sys
+
+    import obow
+
+    official_step = load_script("official_step")
+    threads = torch.get_num_threads()
+    out = tmp_path / "steps.json"
+    argv = ["--official", str(OFFICIAL), "--config", str(tiny_recipe), "--rounds", "1", "--warmup", "0"]
+    argv += ["--threads", "1", "--device", "cpu", "--json", str(out)]
+    status = official_step.main([*argv, "--obow-settings", "--obow-settings", "optim.lr=0.01"])
+    torch.set_num_threads(threads)
+    assert status == 1  # the second setting is not the authors' step
+    result = json.loads(out.read_text())
+    steps = result["steps"]
+    assert list(steps) == ["authors", "obow", "obow optim.lr=0.01"]
+    assert all(len(s["seconds"]) == 1 and s["median_s"] > 0 for s in steps.values())
+    same, other = steps["obow"], steps["obow optim.lr=0.01"]
+    assert same["same_computation"] and same["first_loss"] == pytest.approx(steps["authors"]["first_loss"], rel=1e-5)
+    assert same["student_max_abs_difference"] < 1e-3 * steps["authors"]["student_max_abs_change"]
+    assert (
+        not other["same_computation"]
+        and other["student_max_abs_difference"] > 0.1 * steps["authors"]["student_max_abs_change"]
+    )
+    assert set(result["cpu"]) >= {"model", "flags"} and result["torch"] == torch.__version__
+    assert "--obow-settings optim.lr=0.01" in result["command"]
+    assert not any(k.startswith("obow.") and k.rsplit(".", 1)[1] in official_step.OFFICIAL_MODULES for k in sys.modules)
+    assert not any(hasattr(obow, name) for name in official_step.OFFICIAL_MODULES)

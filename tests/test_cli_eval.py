@@ -99,16 +99,23 @@ def test_linear_and_finetune_run_and_record_their_settings(setup, tmp_path):
     out = tmp_path / "linear.json"
     assert run("eval", "linear", "--checkpoint", ckpt, "--data", data, "--epochs", 3, "--out", out, *FAST) == 0
     settings = json.loads(out.read_text())["settings"]
-    assert (settings["preset"], settings["epochs"], settings["lr"], settings["num_views"]) == ("resnet18", 3, 10.0, 2)
-    assert (settings["batch_size"], settings["weight_decay"], settings["lr_per_epoch"]) == (256, 2e-6, [10.0] * 3)
+    assert (settings["preset"], settings["epochs"], settings["preset_lr"], settings["num_views"]) == (
+        "resnet18",
+        3,
+        10.0,
+        2,
+    )
+    lr = settings["lr"]  # the preset's 10, or less where these features take less (test_issue66_cli)
+    assert 0 < lr <= 10.0 and (settings["batch_size"], settings["weight_decay"]) == (256, 2e-6)
+    assert settings["lr_per_epoch"] == [lr] * 3
     assert settings["batch_norm"] is False
-    argv = ("eval", "linear", "--checkpoint", ckpt, "--data", data, "--preset", "resnet50", "--batch", 16, "--lr", 1)
+    argv = ("eval", "linear", "--checkpoint", ckpt, "--data", data, "--preset", "resnet50", "--batch", 16, "--lr", 0.1)
     assert run(*argv, "--epochs", 2, "--batch-norm", "--out", out, *FAST) == 0
     report = json.loads(out.read_text())
     settings = report["settings"]
     assert (settings["schedule"], settings["batch_size"], settings["extract_batch_size"]) == ("cosine", 16, 256)
     assert settings["batch_norm"] is True
-    assert settings["lr_per_epoch"] == [1.0, 0.5]
+    assert settings["lr_per_epoch"] == [0.1, 0.05]  # lr 1 diverged here (test_issue66_cli)
     assert 0 <= report["results"]["top1"] <= 100
 
     out = tmp_path / "finetune.json"

@@ -10,6 +10,7 @@ from obow.cli import main
 from obow.config import load_config
 from obow.config.recipes import _resolve_recipe
 from obow.experiments import demo as demo_module
+from obow.experiments import demo_probe
 from obow.experiments.demo import (
     DATASETS,
     beats_constant_predictor,
@@ -93,47 +94,101 @@ def test_demo_keeps_the_decoded_images_in_its_own_folder_unless_told_otherwise(t
 
 
 @pytest.fixture
-def cpu_kind(monkeypatch):
-    """``cpu_kind(bf16, gpu=False)``: this machine seen as a CPU with or without native bfloat16 (and a GPU or
-    none), as :func:`choose_recipe` reads it."""
+def speeds(monkeypatch):
+    """``speeds({recipe: (step_s, pass_s)}, precisions=("fp32",), gpu=False)``: the demo's probe of this machine
+    replaced by the given seconds a step and a monitor pass (a GPU visible or not), every call recorded."""
 
-    def set_kind(bf16: bool, gpu: bool = False) -> None:
-        monkeypatch.setattr("obow.training.run.precision.native_bf16", lambda device: bf16 and device.type == "cpu")
+    def set_speeds(table, precisions=("fp32",), gpu=False):
+        calls = []
+
+        def fake_probe(cfg, device, recipe, precision, steps=2):
+            calls.append((recipe, precision))
+            step, monitor = table[recipe]
+            return demo_probe.Probe(recipe, precision, step * (0.5 if precision == "bf16" else 1.0), monitor)
+
+        monkeypatch.setattr(demo_probe, "probe", fake_probe)
+        monkeypatch.setattr(demo_probe, "fast_precisions", lambda device: precisions)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+        return calls
 
-    return set_kind
+    return set_speeds
 
 
-def test_the_demo_picks_its_recipe_by_the_kind_of_cpu(cpu_kind, capsys):
+def test_the_demo_estimate_is_its_steps_passes_and_data_by_hand():
+    """demo: 16 epochs of 3,592 // 64 = 56 steps (896), the monitor every epoch (16 passes) and the final table's
+    2; demo_fp32: the monitor at epochs 4, 8, 12 and 16; demo_short: at 4 and 8, over 448 steps."""
+    probe = demo_probe.Probe("x", "fp32", step_seconds=0.1, pass_seconds=2.0)
+    fixed = demo_probe.FIXED_SECONDS
+    assert demo_probe.estimate_seconds(load_config("demo"), probe, True) == pytest.approx(89.6 + 18 * 2.0 + fixed)
+    assert demo_probe.estimate_seconds(load_config("demo_fp32"), probe, False) == pytest.approx(89.6 + 6 * 2.0)
+    assert demo_probe.estimate_seconds(load_config("demo_short"), probe, False) == pytest.approx(44.8 + 4 * 2.0)
+
+
+def test_the_demo_runs_the_best_recipe_the_probe_says_fits(speeds):
     digits = DATASETS["digits"]
-    cpu_kind(bf16=True)
-    assert choose_recipe(digits, []) == ("demo", None)  # bf16 in hardware: the demo recipe, as measured
-    cpu_kind(bf16=False)
-    recipe, line = choose_recipe(digits, ["train.seed=2"])
-    assert recipe == "demo_fp32"
-    assert line.startswith("This CPU has no native bf16") and "1 crop an image" in line and "every 4 epochs" in line
-    assert "--recipe demo" in line  # and how to have the other one
-    cpu_kind(bf16=False, gpu=True)  # a GPU trains: the demo recipe, unless the user keeps the run on the CPU
-    assert choose_recipe(digits, []) == ("demo", None)
-    assert choose_recipe(digits, ["train.device=cpu"])[0] == "demo_fp32"
-    cpu_kind(bf16=False)
-    assert choose_recipe(DATASETS["cifar10"], []) == ("demo_cifar10", None)  # one recipe for CIFAR-10
+    calls = speeds({"demo": (0.1, 2.0), "demo_fp32": (0.08, 2.0), "demo_short": (0.08, 2.0)})
+    recipe, line, added = choose_recipe(digits, [])
+    assert (recipe, added, calls) == ("demo", ["train.precision=fp32"], [("demo", "fp32")])  # fits: no more probes
+    assert line.startswith("Demo: recipe 'demo' in fp32, about 2.") and "within the 3-minute budget" in line
+    assert "--recipe NAME" in line
+    # a slower machine: demo's 896 steps at 0.2 s do not fit, demo_fp32's do
+    calls = speeds({"demo": (0.2, 2.0), "demo_fp32": (0.12, 2.0), "demo_short": (0.1, 2.0)})
+    assert choose_recipe(digits, [])[0] == "demo_fp32" and [c[0] for c in calls] == ["demo", "demo_fp32"]
+    # slower still: the half-length recipe
+    speeds({"demo": (0.4, 3.0), "demo_fp32": (0.25, 3.0), "demo_short": (0.25, 3.0)})
+    assert choose_recipe(digits, [])[0] == "demo_short"
+    # nothing fits: the cheapest, and the line says it is over the budget
+    speeds({"demo": (2.0, 9.0), "demo_fp32": (1.5, 9.0), "demo_short": (1.5, 9.0)})
+    recipe, line, _ = choose_recipe(digits, [])
+    assert recipe == "demo_short" and "over, the cheapest recipe" in line
+    # bf16 where the probe keeps it and it is faster; the user's precision is the only one probed, and not added
+    calls = speeds({"demo": (0.1, 2.0), "demo_fp32": (0.1, 2.0), "demo_short": (0.1, 2.0)}, ("bf16", "fp32"))
+    assert choose_recipe(digits, [])[2] == ["train.precision=bf16"] and calls == [("demo", "bf16"), ("demo", "fp32")]
+    calls = speeds({"demo": (0.1, 2.0), "demo_fp32": (0.1, 2.0), "demo_short": (0.1, 2.0)}, ("bf16", "fp32"))
+    assert choose_recipe(digits, ["train.precision=fp32"])[2] == [] and calls == [("demo", "fp32")]
 
 
-def test_the_users_choice_wins_over_the_cpus(cpu_kind, tmp_path):
-    cpu_kind(bf16=False)
-    assert choose_recipe(DATASETS["digits"], [], recipe="demo") == ("demo", None)  # obow demo --recipe demo
-    cpu_kind(bf16=True)
-    assert choose_recipe(DATASETS["digits"], [], recipe="demo_fp32") == ("demo_fp32", None)
+def test_a_gpu_one_recipe_or_the_users_choice_needs_no_probe(speeds, tmp_path):
+    calls = speeds({}, gpu=True)  # a GPU trains: the dataset's first recipe, unless the run is kept on the CPU
+    assert choose_recipe(DATASETS["digits"], []) == ("demo", None, [])
+    assert choose_recipe(DATASETS["cifar10"], []) == ("demo_cifar10", None, [])  # one recipe for CIFAR-10
+    assert choose_recipe(DATASETS["digits"], [], recipe="demo_fp32") == ("demo_fp32", None, [])  # --recipe
     with pytest.raises(Exception, match="unknown recipe 'nope'"):
         choose_recipe(DATASETS["digits"], [], recipe="nope")
+    assert calls == []
+    speeds({"demo": (9.0, 9.0), "demo_fp32": (9.0, 9.0), "demo_short": (0.01, 0.1)}, gpu=True)
+    assert choose_recipe(DATASETS["digits"], ["train.device=cpu"])[0] == "demo_short"
     # key=value changes apply to the chosen recipe and win over it
     train, val = tmp_path / "train", tmp_path / "val"
     mine = load_config("demo_fp32", demo_settings(tmp_path, ["views.num_crops=2", "train.knn_every=1"], train, val))
     assert (mine.views.num_crops, mine.train.knn_every) == (2, 1)
 
 
-def test_the_no_bf16_recipe_is_the_demo_recipe_with_one_crop_and_a_quarter_of_the_monitor(cpu_kind):
+def test_the_probe_times_real_steps_and_leaves_the_random_state_alone():
+    cfg = load_config("demo_fp32", ["data.batch_size=8", "model.num_words=64"])
+    before = torch.random.get_rng_state()
+    measured = demo_probe.probe(cfg, torch.device("cpu"), "demo_fp32", "fp32", steps=1)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert (measured.recipe, measured.precision) == ("demo_fp32", "fp32")
+    assert 0 < measured.step_seconds < 60 and 0 < measured.pass_seconds
+    assert demo_probe.fast_precisions(torch.device("cpu")) in (("fp32",), ("bf16", "fp32"))
+
+
+def test_the_short_recipe_is_demo_fp32_over_half_the_epochs():
+    raw, base = _resolve_recipe("demo_short"), _resolve_recipe("demo_fp32")
+    changed = {
+        (section, key)
+        for section in raw
+        if isinstance(raw[section], dict)
+        for key in raw[section]
+        if raw[section][key] != base[section].get(key)
+    }
+    assert changed == {("optim", "epochs"), ("optim", "warmup_epochs")}
+    short, full = load_config("demo_short"), load_config("demo_fp32")
+    assert (short.optim.epochs, short.optim.warmup_epochs) == (full.optim.epochs // 2, 2)
+
+
+def test_the_no_bf16_recipe_is_the_demo_recipe_with_one_crop_and_a_quarter_of_the_monitor():
     """demo_fp32 changes the views' crops and the monitor's rhythm only: the same network, data, steps, schedule
     and precision (auto: fp32 on such a CPU); the demo recipe, measured in bf16, is its base, unchanged."""
     raw = _resolve_recipe("demo_fp32")
@@ -174,7 +229,7 @@ def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
         for key in ("fewshot_10way_1shot", "fewshot_10way_5shot", "knn_k20"):
             assert 0 <= row[key] <= 100
     # A random network's features barely tell the mosaics apart (that is the point of the data); the seeded
-    # network on the seeded data scores what the demo's measured runs report (docs/demo.md: 16.24 at seed 0),
+    # network on the seeded data scores what the demo's measured runs report (docs/results/demo.md: 16.24 at seed 0),
     # and the trained one differs.
     assert rows["random init"]["knn_k20"] == pytest.approx(16.24, abs=0.5)
     assert rows["OBoW pretrained"]["knn_k20"] != rows["random init"]["knn_k20"]

@@ -83,7 +83,7 @@ def test_unreadable_images_are_left_out_and_a_folder_of_none_is_refused_in_one_l
     with caplog.at_level(logging.WARNING, logger="obow"):
         cache = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=tmp_path / "cache")
     assert len(cache.images) == 3 and "broken.png" not in " ".join(cache.images.paths)
-    assert "1 unreadable images left out" in caplog.text
+    assert "1 images left out (1 not an image Pillow can identify), e.g." in caplog.text
 
     for i in range(2):
         (tmp_path / "bad" / "a").mkdir(parents=True, exist_ok=True)
@@ -162,7 +162,9 @@ def test_a_cache_larger_than_the_free_space_is_refused_in_one_line(tmp_path, mon
     write_squares(tmp_path / "data" / "a", 2)
     usage = shutil.disk_usage(tmp_path)._replace(free=100)
     monkeypatch.setattr(cache_module.shutil, "disk_usage", lambda path: usage)
-    with pytest.raises(ValueError, match="would take 0.0 GiB, more than the 0.0 GiB free in .*data.pipeline=workers"):
+    with pytest.raises(
+        ValueError, match="would take 864 bytes, more than the 100 bytes free in .*data.pipeline=workers"
+    ):
         build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("*.u8*"))
 
@@ -299,7 +301,7 @@ def test_a_device_pipeline_run_trains_checkpoints_and_resumes_to_the_uninterrupt
     header = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Data:")]
     assert header[0] == f"Data: decoding 12 images of {data} into the image cache in {tmp_path / 'cache'}"
     assert header[1].startswith("Data: views made on the cpu from 12 images decoded whole at 20x20 px (none enlarged")
-    assert "0 MiB on disk, held in memory" in header[1]
+    assert "14.1 KiB on disk, held in memory" in header[1]  # 12 images of 20x20x3 bytes
     assert whole["iteration"] == 6
 
     original = DeviceLoader.__iter__
@@ -325,19 +327,68 @@ def test_a_device_pipeline_run_trains_checkpoints_and_resumes_to_the_uninterrupt
         assert torch.equal(a[name], b[name]), name
 
 
-def test_the_device_and_worker_pipelines_train_the_same_recipe(tmp_path, tiny_recipe, write_images, read_log):
-    """Not equal weights (other random draws), but both run the recipe to its end with finite losses."""
+def test_the_device_and_worker_pipelines_train_the_same_recipe(
+    tmp_path, tiny_recipe, write_images, read_log, monkeypatch
+):
+    """Not equal weights (other random draws), but both run the recipe to its end with finite losses, and count
+    the same skipped images of the same folder (issue 66: the device pipeline said 0): a damaged file and one
+    over Pillow's decompression-bomb limit; a symbolic link loop, a GIF and a text file are left out by the scan,
+    in one line each, in both."""
+    from PIL import Image as PILImage
+
     from obow.training.loop import pretrain
 
-    data = write_images(tmp_path / "data", per_class=6, size=20)
-    losses = {}
+    data = write_images(tmp_path / "data", per_class=7, size=20)  # 14 readable + 2 skipped: 4 whole batches of 4
+    (data / "class0" / "broken.png").write_bytes(b"not an image")
+    PILImage.new("RGB", (40, 40)).save(data / "class1" / "bomb.png")  # 1,600 pixels, over twice the limit below
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 500)  # the 400 px images stay under it
+    os.symlink("loop_b.png", data / "class0" / "loop_a.png")
+    os.symlink("loop_a.png", data / "class0" / "loop_b.png")
+    PILImage.new("RGB", (20, 20)).save(data / "class1" / "moving.gif")
+    (data / "class1" / "notes.txt").write_text("not an image")
+    losses, skipped = {}, {}
     for pipeline in ("workers", "device"):
         overrides = [f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", *DEVICE_RUN, "optim.epochs=3"]
         cfg = load_config(tiny_recipe, [*overrides, f"data.pipeline={pipeline}"])
-        pretrain(cfg, tmp_path / pipeline)
-        losses[pipeline] = [r["loss"] for r in read_log(tmp_path / pipeline) if r.get("type") == "epoch"]
+        with pytest.warns(UserWarning) as said:
+            pretrain(cfg, tmp_path / pipeline)
+        lines = [str(w.message) for w in said]
+        assert sum("2 files left out: not images of a listed kind (.gif 1, .txt 1)" in line for line in lines) == 1
+        assert sum("2 symbolic links skipped: they lead nowhere" in line for line in lines) == 1
+        epochs = [r for r in read_log(tmp_path / pipeline) if r.get("type") == "epoch"]
+        losses[pipeline] = [r["loss"] for r in epochs]
+        skipped[pipeline] = [r["skipped_images"] for r in epochs]
     for pipeline, curve in losses.items():
         assert len(curve) == 3 and all(np.isfinite(curve)), pipeline
+    assert skipped == {"workers": [2, 2, 2], "device": [2, 2, 2]}
+
+
+def test_both_pipelines_name_each_skipped_image_with_its_reason(tmp_path, monkeypatch):
+    """The batches of both pipelines carry every skipped image with why: a file over Pillow's decompression-bomb
+    limit says so, a damaged one says it is not an image Pillow can identify."""
+    from PIL import Image as PILImage
+
+    from obow.data.folders import ImageDataset, build_loader
+
+    write_squares(tmp_path / "data" / "a", 6)
+    (tmp_path / "data" / "a" / "00_broken.png").write_bytes(b"junk")
+    PILImage.new("RGB", (40, 40)).save(tmp_path / "data" / "a" / "00_bomb.png")
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 500)
+    images = scan_images(str(tmp_path / "data"), labels="folders")
+    dataset = ImageDataset(images, lambda img: torch.zeros(1))
+    loader = build_loader(dataset, EpochSampler(len(images), 8, shuffle=False), 8)
+    workers = dict(next(iter(loader))["reasons"])
+    cache = build_cache(images, 24, cache_dir=tmp_path / "cache")
+    cfg = small_cache_and_views(tmp_path / "views", 2)[1]
+    sampler = EpochSampler(len(cache.images), 2, seed=0)
+    device = DeviceLoader(cache, sampler, BatchedViews(cfg, cache.side), torch.device("cpu"), seed=0)
+    batches = list(device)
+    assert [len(b["skipped"]) for b in batches] == [2, 0, 0]  # the first batch of every epoch names them
+    for reasons in (workers, dict(batches[0]["reasons"])):
+        assert sorted(os.path.basename(p) for p in reasons) == ["00_bomb.png", "00_broken.png"]
+        bomb, broken = (reasons[str(tmp_path / "data" / "a" / f"00_{n}.png")] for n in ("bomb", "broken"))
+        assert bomb.startswith("over Pillow's decompression-bomb limit (Image size (1600 pixels) exceeds limit")
+        assert broken.startswith("not an image Pillow can identify")
 
 
 def test_an_auto_pipeline_is_recorded_and_a_resume_keeps_it_on_another_device(
@@ -410,7 +461,8 @@ def test_an_unreadable_folder_on_the_device_pipeline_is_one_line_from_the_comman
         "data.pipeline=device", f"data.cache_dir={tmp_path / 'cache'}", "train.tensorboard=false", check=False,
     )  # fmt: skip
     assert result.code == 2 and "Traceback" not in result.err
-    assert result.err.strip().splitlines()[-1] == f"obow: error: no readable image under {tmp_path / 'bad'}"
+    last = result.err.strip().splitlines()[-1]
+    assert last.startswith(f"obow: error: no readable image under {tmp_path / 'bad'} (8 images left out (8 not an")
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
 
 

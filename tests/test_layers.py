@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).parent.parent / "src" / "obow"
 #: (docs/development.md, "The package"). ``obow/__init__``, the facade that names the public objects and holds
 #: the version, stands outside them.
 FLOORS = (
-    ("checks", "files", "notices", "schedules", "distributed", "diagnostics", "graphs", "version"),
+    ("checks", "files", "notices", "schedules", "distributed", "diagnostics", "graphs", "openmp", "version"),
     ("backbones",),
     ("config",),
     ("bow", "data"),
@@ -187,6 +187,7 @@ TRAINING_FLOORS = (
     ("step.shared",),
     ("step.eager", "step.compiled", "step.graphed", "step.watch"),
     ("step",),
+    ("step_cost",),
     ("build", "cost"),
     ("loop",),
 )

@@ -162,6 +162,7 @@ def uninterrupted(setup, tmp_path_factory):
 def test_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path, caplog):
     folder = tmp_path / "run"
     with RunLock(folder):
+        (folder / "config.yaml").write_text("a: 1\n")  # a run's file: the lock's file is kept with it
         holder = json.loads((folder / LOCK_NAME).read_text())
         assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
         with pytest.raises(FolderInUse) as refused:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from obow.openmp import wait_briefly
 from obow.version import __version__ as __version__
+
+# OpenMP threads that wait briefly, set before PyTorch loads its runtime (obow.openmp; a user's setting wins)
+wait_briefly()
 
 #: Public names and the module that defines each. They are imported on first use, so that ``import obow``
 #: (and the ``obow`` command's parser, which ``obow --help`` builds) does not pay for PyTorch.

@@ -77,6 +77,12 @@ class Backbone(nn.Module):
     level_channels: dict[str, int]
     num_features: int
 
+    def maps(self, x: Tensor, levels: tuple[str, ...]) -> dict[str, Tensor]:
+        """The ``levels``' feature maps alone, computed no deeper than the deepest of them (OBoW's teacher needs
+        ``conv4`` alone in a one-level recipe: ``conv5`` is a quarter of a ResNet's forward pass). Equal to
+        ``forward(x, levels).maps``; this default runs the whole trunk, the backbones that can stop early do."""
+        return self(x, levels).maps
+
 
 class ResNetBackbone(Backbone):
     """A torchvision ResNet (random initialisation) that returns ``pool5`` and named feature maps.
@@ -116,6 +122,20 @@ class ResNetBackbone(Backbone):
             if level in levels:
                 maps[level] = x
         return BackboneOutput(pool5=torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1), maps=maps)
+
+    def maps(self, x: Tensor, levels: tuple[str, ...]) -> dict[str, Tensor]:
+        """See :meth:`Backbone.maps`: the stages after the deepest of ``levels`` are not run."""
+        for level in levels:
+            check_choice("level", level, tuple(LEVEL_TO_STAGE))
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        maps: dict[str, Tensor] = {}
+        for level, stage in LEVEL_TO_STAGE.items():
+            if len(maps) == len(set(levels)):
+                break
+            x = getattr(self, stage)(x)
+            if level in levels:
+                maps[level] = x
+        return {level: maps[level] for level in levels}
 
     def feature_map_size(self, input_size: int, level: str) -> int:
         """Side of the ``level`` map for a square ``input_size`` input (see :func:`feature_map_size`)."""
@@ -308,6 +328,27 @@ class TimmBackbone(_StagedBackbone):
 
     def _stage_maps(self, x: Tensor) -> list[Tensor]:
         return list(self.body(x))
+
+    def maps(self, x: Tensor, levels: tuple[str, ...]) -> dict[str, Tensor]:
+        """See :meth:`Backbone.maps`: timm's feature network (a dict of its modules, run in order) is run up to
+        the module that ends the deepest of ``levels``; a feature network of another kind (hooks) runs whole."""
+        from timm.models._features import FeatureDictNet
+
+        body = self.body
+        if not isinstance(body, FeatureDictNet) or body.grad_checkpointing or not levels:
+            return super().maps(x, levels)
+        for level in levels:
+            check_choice("level", level, tuple(self.level_channels))
+        names = body.feature_info.module_name()
+        wanted = {names[self.level_index[level]]: level for level in levels}
+        maps: dict[str, Tensor] = {}
+        for name, module in body.items():
+            x = module(x)
+            if name in wanted:
+                maps[wanted[name]] = x
+                if len(maps) == len(wanted):
+                    break
+        return {level: maps[level] for level in levels}
 
     def full_model(self, seed: int = 0) -> nn.Module:
         """A freshly initialised ``timm.create_model(name, **options)`` (seeded): what an export loads into."""

@@ -159,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default runs/demo, or runs/demo-cifar10)")
     p.add_argument(
         "--recipe",
-        help="the recipe to pretrain with (default: the dataset's, or on a CPU without native bf16 demo_fp32 "
-        "for the digits; docs/demo.md)",
+        help="the recipe to pretrain with (default for the digits: the best of demo, demo_fp32, demo_short that a "
+        "probe of this machine estimates within 3 minutes; docs/demo.md)",
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="changes to the demo recipe")
     p.set_defaults(func=cmd_demo)
@@ -292,14 +292,24 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
                 "no training images: pass --data DIR (or set data.path in the recipe); "
                 "`obow demo` pretrains on built-in images"
             )
-        out = Path(args.out or Path("runs") / (Path(args.config).stem if args.config else "obow"))
+        if args.config is None:  # obow's defaults are the paper's ResNet-50 run, refused as an empty recipe is
+            raise ConfigError(
+                "no recipe: pass --config NAME (`obow recipes` lists them: imagenet_resnet50_full is the paper's "
+                "ResNet-50 run, hours a step on a CPU; the *_fast ones are minutes) or --config FILE.yaml"
+            )
+        out = Path(args.out or Path("runs") / Path(args.config).stem)
         from obow.evaluate.monitor import KNNMonitor
+        from obow.training.cost import out_of_memory
         from obow.training.loop import Interrupted, pretrain
 
         try:
-            result = pretrain(cfg, out, monitor=KNNMonitor)
+            result = finished_read_only(cfg, out) or pretrain(cfg, out, monitor=KNNMonitor)
         except Interrupted as err:
             return err.exit_code
+        except (RuntimeError, MemoryError) as err:  # the allocator's, before the first step too: one line
+            if (oom := out_of_memory(err, cfg)) is not None:
+                raise oom from None
+            raise
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, the main process alone says what is next
         return 0
     epochs = result["epochs"]
@@ -309,8 +319,40 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
+def finished_read_only(cfg: Any, out: Path) -> dict[str, Any] | None:
+    """The summary of the finished run in ``out`` when this process cannot write that folder (a read-only file
+    system or folder): with nothing to train, nothing is written, so the run folder is not locked either, and the
+    command ends as it does for a finished run. ``None`` otherwise (the run is trained, or refused, as usual)."""
+    from obow.config import from_dict, to_dict
+    from obow.config.schema import Config
+    from obow.training.run.settings_check import check_same_run
+    from obow.weights.checkpoint import load_checkpoint
+
+    path = out / "checkpoint.pt"
+    if not path.is_file() or os.access(out, os.W_OK):
+        return None
+    ckpt = load_checkpoint(path)
+    if "optimizer" not in ckpt or (ckpt.get("epoch") or 0) < cfg.optim.epochs:
+        return None  # it has steps to train, which need the folder written: the usual refusal says so
+    asked = to_dict(cfg)
+    for section, key in (("train", "precision"), ("data", "pipeline")):  # `auto`: what the run resolved it to
+        if asked[section][key] == "auto":
+            asked[section][key] = (ckpt["config"].get(section) or {}).get(key, "auto")
+    check_same_run(from_dict(Config, asked), ckpt["config"], path, warmup_as_asked="data" in ckpt)
+    logging.getLogger("obow").info(
+        "%s is finished (%d of %d epochs, iteration %d); its folder is read-only, so nothing was written: raise "
+        "optim.epochs in a writable copy of it to extend it",
+        out,
+        ckpt["epoch"],
+        cfg.optim.epochs,
+        ckpt["iteration"],
+    )
+    return {"epochs": ckpt["epoch"], "checkpoint": str(path), "already_finished": True}
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from obow.experiments.demo import run_demo
+    from obow.training.cost import out_of_memory
     from obow.training.loop import Interrupted
 
     try:
@@ -318,6 +360,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         run_demo(Path(out), list(args.overrides), args.dataset, getattr(args, "recipe", None))
     except Interrupted as err:
         return err.exit_code
+    except (RuntimeError, MemoryError) as err:  # the allocator's, in one line
+        if (oom := out_of_memory(err, None)) is not None:
+            raise oom from None
+        raise
     return 0
 
 

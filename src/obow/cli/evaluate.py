@@ -191,6 +191,8 @@ def with_baseline(runner: Callable[[argparse.Namespace], int]) -> Callable[[argp
     """``runner``, and with ``--with-random-init`` the same protocol again on the network of the checkpoint or
     backbone file at its random initialisation, into its own report (:func:`report_name`, or beside ``--out``)."""
 
+    runner = out_of_memory_in_one_line(runner)
+
     @functools.wraps(runner)
     def run(args: argparse.Namespace) -> int:
         if not args.with_random_init:
@@ -214,6 +216,30 @@ def with_baseline(runner: Callable[[argparse.Namespace], int]) -> Callable[[argp
             return code
         print()
         return runner(argparse.Namespace(**{**vars(args), "random_init": True, "network": None, "out": baseline_out}))
+
+    return run
+
+
+def out_of_memory_in_one_line(runner: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``runner``, with an out-of-memory error of the allocator (CPU or GPU) or of Python said in one line that
+    names what lowers an evaluation's memory, instead of the allocator's message."""
+
+    @functools.wraps(runner)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return runner(args)
+        except (RuntimeError, MemoryError) as err:
+            from obow.training.cost import allocation_failed
+
+            asked = allocation_failed(err)
+            if asked is None:
+                raise
+            batch = args.batch_size or (None if args.protocol == "finetune" else EXTRACT_BATCH)
+            now = f", now {batch}" if batch else ""
+            raise RuntimeError(
+                f"out of memory in obow eval {args.protocol}{asked}: lower --batch-size (images per batch{now}), "
+                f"--size (the view's side) or --workers (now {args.workers}); on a GPU, --device cpu has more"
+            ) from None
 
     return run
 
@@ -247,7 +273,7 @@ def run_knn(args: argparse.Namespace) -> int:
 
 def run_linear(args: argparse.Namespace) -> int:
     """Linear probe trained on centre-crop and flipped features of ``train/``, tested on ``val/``."""
-    from obow.evaluate.linear import preset_for_arch, preset_settings, train_linear_probe
+    from obow.evaluate.linear import preset_for_arch, preset_settings, stable_lr, train_linear_probe
 
     run = _Run(args, "linear")
     preset = args.preset or preset_for_arch(run.info["arch"])
@@ -259,6 +285,16 @@ def run_linear(args: argparse.Namespace) -> int:
     train_x, train_y = run.features(train_images)
     train_flip, _ = run.features(train_images, flip=True)
     test_x, test_y = run.features(test_images)
+    classes = len(train_images.classes)
+    preset_lr = settings["lr"]
+    if args.lr is None:  # the preset's rate, for ImageNet's classes and features, lowered where these diverge at once
+        settings["lr"] = min(preset_lr, stable_lr(train_x, classes, settings["momentum"], args.batch_norm))
+        if settings["lr"] < preset_lr:
+            print(
+                f"linear: lr {settings['lr']:.3g}, not the {preset} preset's {preset_lr:g}: with these features and "
+                f"{classes} classes that rate diverges from its first steps (half the largest stable rate is "
+                "taken; --lr sets it)"
+            )
     result = train_linear_probe(
         [train_x, train_flip],
         train_y,
@@ -267,14 +303,23 @@ def run_linear(args: argparse.Namespace) -> int:
         **settings,
         seed=args.seed,
         device=run.device,
-        num_classes=len(train_images.classes),
+        num_classes=classes,
         batch_norm=args.batch_norm,
     )
+    settings_used = {"preset": preset, "preset_lr": preset_lr}
+    if result["diverged"]:  # its accuracy is the noise of a head that blew up, not the features'
+        numbers = {"diverged": result["diverged"], "train_loss": result["train_loss"]}
+        rest = {k: v for k, v in result.items() if k not in (*numbers, "top1", "top5")}
+        run.write(numbers, {**settings_used, **rest})
+        raise RuntimeError(
+            f"the linear probe diverged at lr {result['lr']:.3g}: {result['diverged']}; no accuracy is reported "
+            f"(it would be that of a head that blew up, not of the features); give a smaller --lr, or --batch-norm"
+        )
     run.print_table(
         ["preset", "epochs", "top-1", "top-5"], [[preset, result["epochs"], result["top1"], result.get("top5")]]
     )
     numbers = {key: result[key] for key in ("top1", "top5", "train_loss") if key in result}
-    run.write(numbers, {"preset": preset, **{k: v for k, v in result.items() if k not in numbers}})
+    run.write(numbers, {**settings_used, **{k: v for k, v in result.items() if k not in numbers}})
     return 0
 
 
@@ -319,6 +364,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     from obow.data.eval_sets import eval_dataset
     from obow.data.folders import ImageDataset
     from obow.evaluate.finetune import FINETUNE_PRESETS, balanced_subset, finetune, finetune_transform
+    from obow.evaluate.linear import divergence
     from obow.files import check_writable
 
     run = _Run(args, "finetune")
@@ -352,6 +398,15 @@ def run_finetune(args: argparse.Namespace) -> int:
         num_classes=len(train_images.classes),
     )
     run.skipped.extend(result.pop("skipped_images"))
+    if diverged := divergence(result["train_loss"], len(train_images.classes)):
+        kept = {"diverged": diverged, "train_loss": result["train_loss"]}
+        extra = {k: v for k, v in result.items() if k not in (*kept, "top1", "top5", *settings)}
+        run.write(kept, {"preset": preset_name, "fraction": args.fraction, **settings, **extra})
+        raise RuntimeError(
+            f"fine-tuning diverged at head lr {settings['head_lr']:g}, trunk lr {settings['trunk_lr']:g}: {diverged}; "
+            "no accuracy is reported (it would be that of a network that blew up); give a smaller --head-lr and "
+            "--trunk-lr"
+        )
     run.print_table(
         ["labels", "epochs", "top-1", "top-5"], [[preset_name, settings["epochs"], result["top1"], result.get("top5")]]
     )

@@ -62,12 +62,12 @@ def run_export(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         meta = export_backbone(checkpoint_path(args.checkpoint), args.out, network=args.network, fmt=args.format)
+    for warning in caught:  # before the line that says what was written: which checkpoint it came from, first
+        print(f"warning: {warning.message}", file=sys.stderr)
     print(
         f"wrote {args.out} ({meta['format']}, {meta['container']}: {meta['arch']}, {meta['stem']} stem, "
         f"{meta['network']}{'' if meta['epoch'] is None else ', epoch ' + str(meta['epoch'])}) and {args.out}.json"
     )
-    for warning in caught:
-        print(f"warning: {warning.message}", file=sys.stderr)
     return 0
 
 

@@ -65,6 +65,8 @@ def _resolve_recipe(source: str | Path, seen: tuple[Path, ...] = ()) -> dict[str
         path = builtin
     elif Path(text).is_file():
         path = Path(text)
+    elif Path(text).exists():  # /dev/zero, a folder, a FIFO: reading it would never end, or fail
+        raise ConfigError(f"recipe {text!r} is {file_kind(Path(text))}, not a YAML file: give a recipe file or name")
     elif looks_like_file:
         raise ConfigError(f"recipe file {text!r} does not exist")
     else:
@@ -80,6 +82,23 @@ def _resolve_recipe(source: str | Path, seen: tuple[Path, ...] = ()) -> dict[str
     if isinstance(base_path, Path) and not base_path.is_absolute():
         base_path = path.parent / base_path
     return _merge(_resolve_recipe(base_path, (*seen, path)), raw)
+
+
+def file_kind(path: Path) -> str:
+    """What ``path`` is when it exists and is no regular file: ``"a folder"``, ``"a character device"``, ..."""
+    import stat
+
+    mode = path.stat().st_mode
+    for test, kind in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "a special file"
 
 
 def parse_override(item: str) -> dict[str, Any]:

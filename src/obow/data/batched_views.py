@@ -4,8 +4,8 @@ The same views as :mod:`obow.data.transforms` (paper appendix, official notes 2.
 decoded ``uint8`` images ``[B, 3, H, W]`` (an :class:`obow.data.cache.ImageCache`, each image whole at its own
 size, the batch padded with each image's edge) instead of one PIL image at a time in a loader worker: every image
 still gets its own random parameters (crop box, flip, colour jitter and its order, grayscale, blur radius, patch
-cells and jitter), but all the pixel work of a batch is a handful of batched kernels (one ``roi_align`` per view
-group for every resized crop, elementwise colour maths, one grouped convolution for the blur).
+cells and jitter), but all the pixel work of a batch is a handful of batched kernels (two batched matrix products
+per view group for every resized crop, elementwise colour maths, one grouped convolution for the blur).
 ``data.pipeline: device`` uses it (:class:`obow.data.device_loader.DeviceLoader`).
 
 The random parameters are drawn on the CPU from a ``torch.Generator`` the caller seeds (per global batch), so
@@ -19,14 +19,14 @@ image whole, at its own size up to the side where no view is upsampled (:func:`o
 500x375 and 375x500 images with the paper's views, every measure of ``benchmarks/views_distribution.py`` (box
 area, aspect, centre, reach outside the central square, upsampled share, area outside the teacher's view; flip
 and grey rates) agreed with the worker pipeline's by two-sample tests over 600 images (smallest p 0.026)
-(docs/results/views_distribution.json; ``tests/test_device_views_distribution.py``). Where the pixels still
-differ, measured there: colour maths runs on floats where PIL rounds down to 8 bits after each operation, so a
-view through all four jitter operations is 1.0 % brighter on average than the worker's (0.4 % for one operation;
-1.5 levels of 255 per pixel on average); the resampling is ``roi_align``'s bilinear sampling averaged over
-``ceil(box / out)`` points per output pixel (an area filter when shrinking) where PIL uses its own antialiased
-bilinear filter; the blur is PIL's own (three extended box blurs along each axis, of variance sigma squared
-at every sigma) in floats, within the 3 levels of 255 that PIL's rounding adds. On square images of one size
-(CIFAR-10) the draws and the views are those of the square cache before, bit for bit.
+(docs/results/views_distribution.json; ``tests/test_device_views_distribution.py``). The pixels are Pillow's, as
+the worker pipeline makes them (``tests/test_batched_views.py``, on two photos): the resampling is Pillow's
+antialiased bilinear filter (:func:`resized_crops`; 240 boxes reduced 1x-4x: 0.03 levels of 255 off per pixel on
+average, gradient energy 1.000x Pillow's, median), the colour jitter and grayscale bring each result to the 8-bit
+grid as Pillow does (level for level on every view tried: the same mean brightness), and the blur is PIL's own (three
+extended box blurs along each axis, of variance sigma squared at every sigma) in floats, within the 3 levels of
+255 that PIL's rounding adds. On square images of one size (CIFAR-10) the draws are those of the square cache
+before.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torchvision.ops import roi_align
 
 from obow.config import ViewsConfig
 from obow.data.transforms import GRID_SIDE
@@ -54,6 +53,8 @@ CROP_TRIES = 10
 #: ITU-R 601-2 luma, as PIL's convert("L") (the worker pipeline jitters PIL images); torchvision's tensor
 #: rgb_to_grayscale weighs red 0.2989.
 LUMA = (0.299, 0.587, 0.114)
+#: The same in 16-bit fixed point (each weight times 2**16, rounded), the integers Pillow's conversion sums.
+LUMA_FIXED = tuple(round(w * 2**16) for w in LUMA)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -211,64 +212,126 @@ def draw_patch_cells(n: int, num_patches: int, jitter: int, generator: torch.Gen
 # pixel work (any device, batched)
 
 
-def resized_crops(images: Tensor, boxes: Tensor, size: int) -> Tensor:
-    """``m`` crops of each image, each resized to ``size x size``: ``images`` ``[B, 3, H, W]`` (any dtype), ``boxes``
-    ``[B, m, 4]`` (top, left, height, width in pixels of its image); returns float32 ``[B, m, 3, size, size]`` in
-    the images' value range.
+def to_levels(x: Tensor) -> Tensor:
+    """``x`` brought to the 8-bit grid as Pillow stores a resampled pixel: rounded half up, clipped to [0, 255]."""
+    return torch.floor(x + 0.5).clamp_(0, 255)
 
-    One ``roi_align`` (aligned, so a box of the whole image maps pixel centres as ``interpolate`` with
-    ``align_corners=False`` does), averaging ``ceil(box / size)`` bilinear samples per output pixel along each axis:
-    plain bilinear when enlarging, an area filter when shrinking (antialiased, as PIL's resize).
-    """
-    batch, m = boxes.shape[:2]
-    flat = boxes.reshape(-1, 4).to(images.device, torch.float32)
-    top, left, height, width = flat.unbind(1)
-    index = torch.arange(batch, device=images.device, dtype=torch.float32).repeat_interleave(m)
-    rois = torch.stack([index, left, top, left + width, top + height], dim=1)
-    out = roi_align(images.float(), rois, output_size=size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
-    return out.view(batch, m, *out.shape[1:])
+
+#: Pillow keeps its resampling weights in fixed point with 22 fractional bits (for 8-bit images); the weights here
+#: are rounded to the same grid, which the tests found to decide the rounding of a pixel on a tie now and then.
+WEIGHT_BITS = 22
+
+
+def axis_weights(start: Tensor, length: Tensor, low: Tensor, high: Tensor, out: int, size: int) -> Tensor:
+    """Pillow's antialiased bilinear filter along one axis, as a matrix ``[*, out, size]`` (float32) per view ``[*]``:
+    output pixel ``i`` of a box from ``start`` over ``length`` input pixels is centred at ``start + (i + 0.5) *
+    scale`` (``scale = length / out``) and weighs input pixel ``x`` by the triangle ``1 - |x + 0.5 - centre| /
+    support`` (``support = max(scale, 1)``: the filter widens with the reduction, plain bilinear when enlarging),
+    over the pixels ``[low, high)`` the filter may read (Pillow's image edges), normalised to sum to 1 and rounded to
+    :data:`WEIGHT_BITS` fractional bits. The centres are placed in float64 and split into an integer and a
+    fraction (a float32 centre 600 pixels in would be 3e-5 px off); the shape depends only on ``out`` and ``size``,
+    and nothing is read back to the host."""
+    scale = length.to(torch.float64) / out
+    steps = torch.arange(out, device=start.device, dtype=torch.float64) + 0.5
+    centre = start.to(torch.float64).unsqueeze(-1) + steps * scale.unsqueeze(-1)  # [*, out]
+    whole = torch.floor(centre)
+    fraction = (centre - whole).float().unsqueeze(-1)
+    reach = 1 / scale.clamp_min(1.0).float()[..., None, None]
+    pixel = torch.arange(size, device=start.device, dtype=torch.float32) + 0.5
+    weight = (1 - ((pixel - whole.float().unsqueeze(-1)) - fraction).abs() * reach).clamp_min(0)
+    inside = (pixel >= low[..., None, None]) & (pixel < high[..., None, None])
+    weight = torch.where(inside, weight, 0.0)
+    weight = weight / weight.sum(dim=-1, keepdim=True)
+    return torch.floor(weight * 2.0**WEIGHT_BITS + 0.5) / 2.0**WEIGHT_BITS
+
+
+def resized_crops(images: Tensor, boxes: Tensor, size: int, bounds: Tensor | None = None) -> Tensor:
+    """``m`` crops of each image, each resized to ``size x size`` as Pillow's ``resize`` with its antialiased
+    bilinear filter: ``images`` ``[B, 3, H, W]`` (any dtype, values in 0-255), ``boxes`` ``[B, m, 4]`` (top, left,
+    height, width in pixels of its image, integer or not); returns float32 ``[B, m, 3, size, size]`` on the 8-bit
+    grid.
+
+    The filter reads the pixels inside ``bounds`` ``[B, m, 4]`` (same layout): by default the box itself, as
+    torchvision's ``resized_crop`` of a PIL image (crop, then resize the crop); the whole image for a resize of the
+    image followed by a crop (the teacher's view). Separable, as Pillow's: a horizontal pass then a vertical one
+    (:func:`axis_weights`), each a batched matrix product over the padded batch (weights are 0 outside ``bounds``, so
+    the padding is never read) and each brought to the 8-bit grid as Pillow stores its passes (:func:`to_levels`).
+    Against Pillow on photos (``tests/test_batched_views.py``): the same levels, but where Pillow 13 runs the
+    vertical pass first (some reductions of tall boxes; Pillow before 13 never did), pixels a level off;
+    ``roi_align``, what rendered before, was 1.3 levels off on average and sharper (1.17x Pillow's gradient
+    energy). On a GPU with ``train.tf32`` the products round the weights to TF32's 10 bits: a level off in a few
+    pixels. Cost: the products read the whole padded image once per view (``B * m * size * 3 * H * W``
+    multiply-adds for the first pass), where ``roi_align`` read only the box."""
+    _, _, height, width = images.shape
+    boxes = boxes.to(images.device, torch.float64)
+    bounds = boxes if bounds is None else bounds.to(images.device, torch.float64)
+    top, left, box_h, box_w = boxes.unbind(-1)
+    low_y, low_x, span_y, span_x = bounds.unbind(-1)
+    rows = axis_weights(top, box_h, low_y, low_y + span_y, size, height)  # [B, m, size, H]
+    cols = axis_weights(left, box_w, low_x, low_x + span_x, size, width)  # [B, m, size, W]
+    across = to_levels(torch.einsum("bchw,bmjw->bchmj", images.float(), cols))
+    return to_levels(torch.einsum("bmih,bchmj->bmcij", rows, across))
 
 
 def grayscale(x: Tensor) -> Tensor:
-    """Luma ``[n, 1, h, w]`` of RGB ``[n, 3, h, w]`` in [0, 1]."""
+    """Luma ``[n, 1, h, w]`` of RGB ``[n, 3, h, w]`` in 8-bit levels, as Pillow's ``convert("L")`` makes it: the
+    ITU-R 601-2 weights (:data:`LUMA`) in 16-bit fixed point, rounded to the nearest level (equal to Pillow's on
+    every pixel tried; exact in float32, every partial sum an integer under 2**24)."""
     r, g, b = x.unbind(1)
-    return (LUMA[0] * r + LUMA[1] * g + LUMA[2] * b).unsqueeze(1)
+    weighted = LUMA_FIXED[0] * r + LUMA_FIXED[1] * g + LUMA_FIXED[2] * b
+    return torch.floor((weighted + 2**15) / 2**16).unsqueeze(1)
 
 
 def blend(x: Tensor, weights: Tensor) -> Tensor:
-    """Brightness, contrast or saturation, each view its own: ``f * x + (1 - f) * target`` clamped to [0, 1]
-    (PIL's ImageEnhance, torchvision's _blend), with the target black, the view's mean luma or its luma.
+    """Brightness, contrast or saturation, each view its own, as Pillow's ``ImageEnhance`` (what torchvision runs on
+    a PIL image): ``target + f * (x - target)`` in float32, clipped to [0, 255] and truncated to a level as
+    ``Image.blend`` stores it, with the target black, the view's mean luma rounded to a level, or its luma
+    (:func:`grayscale`). ``x``: views ``[n, 3, h, w]`` on the 8-bit grid (levels 0-255).
 
-    ``weights`` ``[n, 4]`` per view: ``f``, ``1 - f``, and the weights of the luma and of its mean in the target:
-    (0, 0) for brightness, (0, 1) for contrast, (1, 0) for saturation; ``f = 1`` leaves a view as it is, exactly.
-    All views in one pass, whichever operation each does, so a round of colour jitter is a few kernels, not a few
-    per operation."""
-    w = weights.to(x.device, x.dtype, non_blocking=True).view(-1, 4, 1, 1, 1).unbind(1)
-    f, rest, on_luma, on_mean = w
+    ``weights`` ``[n, 3]`` per view: ``f`` and the weights of the luma and of its mean in the target: (0, 0) for
+    brightness, (0, 1) for contrast, (1, 0) for saturation; ``f = 1`` leaves a view as it is, exactly. All views
+    in one pass, whichever operation each does, so a round of colour jitter is a few kernels, not a few per
+    operation."""
+    w = weights.to(x.device, x.dtype, non_blocking=True).view(-1, 3, 1, 1, 1).unbind(1)
+    f, on_luma, on_mean = w
     luma = grayscale(x)
-    target = on_luma * luma + on_mean * luma.mean(dim=(1, 2, 3), keepdim=True)
-    return (f * x + rest * target).clamp_(0, 1)
+    total = luma.sum(dim=(1, 2, 3), keepdim=True, dtype=torch.float64)  # exact, as Pillow's ImageStat in double
+    mean = torch.floor(total / luma[0].numel() + 0.5).to(x.dtype)
+    target = on_luma * luma + on_mean * mean
+    return torch.floor((target + f * (x - target)).clamp_(0, 255))
 
 
 def adjust_hue(x: Tensor, shift: Tensor) -> Tensor:
-    """Rotate the hue of each view by ``shift`` (a fraction of a turn, per view) in HSV space.
+    """Rotate the hue of each view by ``shift`` (a fraction of a turn, per view) as torchvision does on a PIL image:
+    the view converted to Pillow's 8-bit HSV, ``int(shift * 255)`` added to the hue byte (wrapping round), and
+    converted back. ``x``: views ``[n, 3, h, w]`` on the 8-bit grid; returns them on it.
 
-    In sixths of a turn, the hue of a pixel whose largest channel is ``i`` (red 0, green 1, blue 2) is
-    ``2 i + (next - previous) / (max - min)`` with ``next`` / ``previous`` the channels after and before ``i``
-    (cyclically); the rotated pixel is ``v - (max - min) * clamp(min(k, 4 - k), 0, 1)`` per channel with
-    ``k = (n + hue) mod 6``, ``n = 5, 3, 1`` for red, green, blue, and ``v = max``. A grey pixel (``max = min``)
-    stays as it is. Written for few kernels (about 20), as the device pipeline runs it on every jittered view.
-    """
-    maxc, largest = x.max(dim=1, keepdim=True)
+    RGB to HSV: value the largest channel, saturation ``delta / max`` and hue (in sixths of a turn: ``2 i + (next
+    - previous) / delta`` for the largest channel ``i``, red first on ties) each truncated to a byte, with the
+    intermediate precision at which Pillow rounds them (float32 ratios, float64 sums), which made every one of
+    200,000 random pixels Pillow's byte. HSV to RGB: channel ``v * (1 - s * clamp(min(k, 4 - k), 0, 1))`` rounded,
+    ``k = (n + 6 h) mod 6`` with ``n = 5, 3, 1`` for red, green, blue; a grey pixel stays as it is. Written for few
+    kernels (about 30), as the device pipeline runs it on every jittered view."""
+    maxc = x.amax(dim=1, keepdim=True)
     delta = maxc - x.amin(dim=1, keepdim=True)
-    following = x.roll(-1, dims=1).gather(1, largest)
-    preceding = x.roll(1, dims=1).gather(1, largest)
-    hue = torch.add((following - preceding) / delta.clamp_min(torch.finfo(x.dtype).tiny), largest, alpha=2)
-    hue = hue + 6.0 * shift.to(x.dtype).view(-1, 1, 1, 1)
+    ratios = (maxc - x) / delta.clamp_min(1)  # Pillow's rc, gc, bc
+    rc, gc, bc = (ratios[:, i : i + 1] for i in range(3))
+    wide = torch.float64
+    sixths = torch.where(
+        x[:, 0:1] == maxc,
+        (bc - gc).to(wide),
+        torch.where(x[:, 1:2] == maxc, 2 + rc.to(wide) - bc.to(wide), 4 + gc.to(wide) - rc.to(wide)),
+    ).to(x.dtype)
+    turn = torch.remainder(sixths.to(wide) / 6 + 1, 1.0).to(x.dtype)
+    coloured = delta > 0
+    hue = torch.where(coloured, torch.floor(turn.to(wide) * 255), 0.0)
+    saturation = torch.where(coloured, torch.floor((delta / maxc.clamp_min(1)).to(wide) * 255), 0.0).to(x.dtype)
+    steps = torch.trunc(shift.to(wide) * 255).view(-1, 1, 1, 1)  # numpy's int32 of hue_factor * 255
+    hue = torch.remainder(hue + steps, 256).to(x.dtype)
     # n = 5, 3, 1 made on the device (torch.tensor([5., 3., 1.]) was a copy from the host each call, which a CUDA
     # graph's capture refuses)
-    k = (hue + torch.arange(5.0, 0.0, -2.0, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)) % 6
-    return maxc - delta * torch.minimum(k, 4.0 - k).clamp_(0, 1)
+    k = (hue * 6 / 255 + torch.arange(5.0, 0.0, -2.0, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)) % 6
+    return torch.floor(maxc * (1 - saturation / 255 * torch.minimum(k, 4.0 - k).clamp_(0, 1)) + 0.5)
 
 
 #: The order of the colour jitter's operations in ``PhotometricParams.order`` (torchvision's ColorJitter).
@@ -276,8 +339,8 @@ BRIGHTNESS, CONTRAST, SATURATION, HUE = range(4)
 
 
 def blend_weights(f: Tensor, op: Tensor) -> Tensor:
-    """:func:`blend`'s per-view weights ``[n, 4]`` for factors ``f`` and operations ``op`` of one jitter round."""
-    return torch.stack([f, 1 - f, (op == SATURATION).to(f.dtype), (op == CONTRAST).to(f.dtype)], dim=1)
+    """:func:`blend`'s per-view weights ``[n, 3]`` for factors ``f`` and operations ``op`` of one jitter round."""
+    return torch.stack([f, (op == SATURATION).to(f.dtype), (op == CONTRAST).to(f.dtype)], dim=1)
 
 
 def select_views(mask: Tensor, a: Tensor, b: Tensor) -> Tensor:
@@ -290,7 +353,9 @@ def color_jitter(x: Tensor, factors: Tensor, order: Tensor, apply: Tensor) -> Te
     rounds, in round ``r`` every view applies its operation ``order[:, r]``: the views that brighten, change the
     contrast or the saturation in one :func:`blend` over all views, then those that rotate the hue (the costly
     one, once per view) picked out. ``factors``, ``order`` and ``apply`` are CPU tensors, so each round's
-    selection is made on the CPU, without a device synchronisation."""
+    selection is made on the CPU, without a device synchronisation. ``x``: views on the 8-bit grid; each operation
+    brings them back to it as Pillow does (:func:`blend`, :func:`adjust_hue`). A hue shift of exactly 0 is no
+    operation, as a ColorJitter without hue (the round trip through 8-bit HSV is not lossless)."""
     views = torch.arange(len(order))
     owned = False  # x is still the caller's tensor, which the hue's in-place write must not touch
     for r in range(4):
@@ -299,7 +364,7 @@ def color_jitter(x: Tensor, factors: Tensor, order: Tensor, apply: Tensor) -> Te
         if bool(blends.any()):
             f = torch.where(blends, factors[views, op.clamp(0, 2)], 1.0)
             x, owned = blend(x, blend_weights(f, op)), True
-        rows = torch.nonzero(op == HUE).flatten()
+        rows = torch.nonzero((op == HUE) & (factors[:, HUE] != 0)).flatten()  # a shift of 0: none (see above)
         if len(rows):
             x, owned = (x if owned else x.clone()), True
             on_device = rows.to(x.device, non_blocking=True)
@@ -358,7 +423,8 @@ def gaussian_blur(x: Tensor, sigma: Tensor, max_sigma: float) -> Tensor:
 
 def photometric(x: Tensor, p: PhotometricParams, max_sigma: float) -> Tensor:
     """The student's augmentations after the crop, in the worker pipeline's order: colour jitter -> grayscale ->
-    blur -> flip. ``x``: ``[n, 3, h, w]`` in [0, 1]; ``p`` on the CPU."""
+    blur -> flip. ``x``: ``[n, 3, h, w]`` in 8-bit levels (0-255, on the grid Pillow rounds to; the blur's result
+    is left in floats); ``p`` on the CPU."""
     x = color_jitter(x, p.factors, p.order, p.jitter)
     device = p.to(x.device)
 
@@ -379,7 +445,8 @@ def color_jitter_dense(x: Tensor, factors: Tensor, order: Tensor, apply: Tensor)
         blends = (op >= 0) & (op != HUE)
         f = torch.where(blends, factors.gather(1, op.clamp(0, 2).unsqueeze(1)).squeeze(1), 1.0)
         x = blend(x, blend_weights(f, op))
-        x = torch.where((op == HUE).view(-1, 1, 1, 1), adjust_hue(x, factors[:, HUE]), x)
+        rotates = (op == HUE) & (factors[:, HUE] != 0)
+        x = torch.where(rotates.view(-1, 1, 1, 1), adjust_hue(x, factors[:, HUE]), x)
     return x
 
 
@@ -445,6 +512,7 @@ class ViewParams:
     patch_keep: Tensor | None  # [B, P]: kept cells of the 3x3 grid
     patch_offsets: Tensor | None  # [B, P, 2]: their jitter
     teacher_box: Tensor | None = None  # [B, 4]: the teacher's resize and centre crop in each image's pixels
+    sizes: Tensor | None = None  # [B, 2]: each image's height and width, where the teacher's filter stops
 
     def __getitem__(self, rows: slice) -> ViewParams:
         return ViewParams(*(None if v is None else v[rows] for v in vars(self).values()))
@@ -514,7 +582,10 @@ class BatchedViews:
             return dataclasses.replace(group, boxes=boxes)
 
         teacher = None if self.mocov2 else teacher_boxes(sizes, self.cfg.teacher_resize, self.cfg.teacher_size)
-        return dataclasses.replace(params, crops=placed(params.crops), grid=placed(params.grid), teacher_box=teacher)
+        crops, grid = placed(params.crops), placed(params.grid)
+        return dataclasses.replace(
+            params, crops=crops, grid=grid, teacher_box=teacher, sizes=sizes.to(torch.int64).contiguous()
+        )
 
     def render(self, images: Tensor, params: ViewParams, dense: bool = False) -> dict[str, Tensor]:
         """The views of ``images`` ``[B, 3, H, W]`` under ``params`` (of the same ``B`` images, placed on their sizes).
@@ -529,8 +600,10 @@ class BatchedViews:
             assert params.crops is not None  # MoCo v2's two crops
             both = self._render_group(images, params.crops, cfg.teacher_size, dense)
             return {"teacher": both[:, 0], "crops": both[:, 1:]}
-        assert params.teacher_box is not None  # placed on the images' sizes (place)
-        teacher = resized_crops(images, params.teacher_box.unsqueeze(1), cfg.teacher_size)[:, 0] / 255.0
+        assert params.teacher_box is not None and params.sizes is not None  # placed on the images' sizes (place)
+        # the teacher's view is a crop of the resized image: its filter reads the whole image, up to its own edges
+        whole = F.pad(params.sizes.unsqueeze(1), (2, 0))  # [B, 1, 4]: (0, 0, height, width)
+        teacher = resized_crops(images, params.teacher_box.unsqueeze(1), cfg.teacher_size, whole)[:, 0] / 255.0
         assert params.teacher_flip is not None  # drawn for OBoW's teacher view
         flip = params.teacher_flip.to(images.device, non_blocking=True).view(-1, 1, 1, 1)
         views = {"teacher": self._normalize(torch.where(flip, teacher.flip(-1), teacher))}
@@ -556,9 +629,9 @@ class BatchedViews:
         """The group's augmented, normalised crops of ``size`` px: ``[B, m, 3, size, size]``."""
         assert group.boxes is not None  # placed on the images' sizes (place)
         batch, m = group.boxes.shape[:2]
-        crops = resized_crops(images, group.boxes, size).flatten(0, 1) / 255.0
+        crops = resized_crops(images, group.boxes, size).flatten(0, 1)  # in 8-bit levels, as the photometric maths
         crops = (photometric_dense if dense else photometric)(crops, group.photo.flatten(), self.cfg.blur_sigma[1])
-        return self._normalize(crops).view(batch, m, 3, size, size)
+        return self._normalize(crops / 255.0).view(batch, m, 3, size, size)
 
     def _normalize(self, x: Tensor) -> Tensor:
         mean, std = self._mean_std_on(x.device, x.dtype)

@@ -1,7 +1,9 @@
 """``data.pipeline: device``: batches of views made on the training device from decoded images.
 
 :class:`DeviceLoader` stands where the ``DataLoader`` of :func:`obow.data.folders.build_loader` stands in the
-training loop and yields the same batches (``{"image": views, "skipped": [], "tiny": [(path, shorter side)]}``),
+training loop and yields the same batches (``{"image": views, "skipped": [paths], "reasons": [(path, why)], "tiny":
+[(path, shorter side)]}``: the images the cache left out, with why, in the first batch of every epoch, so that a run
+counts the same ``skipped_images`` as the worker pipeline, which meets them in the epoch),
 but no worker process decodes or augments anything: the images come decoded from an
 :class:`obow.data.cache.ImageCache` (held on the GPU when it fits in a quarter of its free memory, else gathered per
 batch on the CPU and copied), each whole at its own size, gathered into one tensor padded to the batch's largest
@@ -25,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from obow.data.batched_views import BatchedViews, ViewParams
@@ -56,7 +59,7 @@ class DeviceLoader:
         self.resident: torch.Tensor | None = None  # the whole cache on the device, when it is held there
         # the flat buffer of every image's pixels (ImageCache.pixels), shared with the cache on the CPU
         if device.type == "cuda" and cache.nbytes <= GPU_CACHE_FRACTION * torch.cuda.mem_get_info(device)[0]:
-            self.resident = torch.from_numpy(cache.pixels).to(device)
+            self.resident = resident_copy(cache, device)
         elif device.type == "cpu" and cache.where == "memory":
             self.resident = torch.from_numpy(cache.pixels)
 
@@ -76,14 +79,15 @@ class DeviceLoader:
         return self.render != self.views.render
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        batches = self.sampler.batches()
+        batches = ((planned, i == 0) for i, planned in enumerate(self.sampler.batches()))
         if self.device.type == "cuda":
             return made_ahead(self._make, batches, self.device)
         return (self._make(batch) for batch in batches)
 
-    def _make(self, planned: tuple[int, list[int], int, int]) -> dict[str, Any]:
-        """The views of one batch as the sampler plans it: ``(batch, indices, offset, size)``."""
-        batch, indices, offset, size = planned
+    def _make(self, item: tuple[tuple[int, list[int], int, int], bool]) -> dict[str, Any]:
+        """The views of one batch as the sampler plans it: ``(batch, indices, offset, size)``, and whether it is the
+        first of the iteration (which names the images the cache left out)."""
+        (batch, indices, offset, size), first = item
         sampler = self.sampler
         seed = sample_seed(self.seed, sampler.epoch, batch * sampler.global_batch_size)
         generator = torch.Generator().manual_seed(seed)
@@ -95,7 +99,25 @@ class DeviceLoader:
         else:
             images = self.cache.batch(index).pin_memory() if self.device.type == "cuda" else self.cache.batch(index)
         tiny = [(self.cache.images.paths[i], self.cache.tiny[i]) for i in indices if i in self.cache.tiny]
-        return {"image": self.render(images.to(self.device, non_blocking=True), params), "skipped": [], "tiny": tiny}
+        left_out = self.cache.left_out if first else []
+        return {
+            "image": self.render(images.to(self.device, non_blocking=True), params),
+            "skipped": [path for path, _ in left_out],
+            "reasons": list(left_out),
+            "tiny": tiny,
+        }
+
+
+def resident_copy(cache: ImageCache, device: torch.device) -> torch.Tensor:
+    """:attr:`ImageCache.pixels` on ``device``, copied block by block, each block checked against its checksum as it
+    is read (:meth:`ImageCache.checked_blocks`): a memory-mapped cache is read once, not once to check and once
+    to copy. A cache read into memory was checked as it was read: copied at once."""
+    if cache.checked.all() and cache.where == "memory":
+        return torch.from_numpy(cache.pixels).to(device)
+    resident = torch.empty(cache.nbytes, dtype=torch.uint8, device=device)
+    for start, chunk in cache.checked_blocks():
+        resident[start : start + len(chunk)].copy_(torch.from_numpy(np.array(chunk)))
+    return resident
 
 
 T = TypeVar("T")

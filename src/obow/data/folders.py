@@ -23,13 +23,14 @@ import os
 import random
 import signal
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from obow.checks import check_choice
@@ -75,52 +76,105 @@ def _is_image(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
+@dataclass
+class _Found:
+    """What a scan left out besides the images it lists, for one warning line each: zero-byte image files
+    (``empty``), files not of a listed kind (``other``, by extension) and symbolic links that lead nowhere
+    (``broken``: a loop, ``Too many levels of symbolic links``, or a missing target)."""
+
+    empty: list[str] = field(default_factory=list)
+    other: Counter = field(default_factory=Counter)
+    broken: list[str] = field(default_factory=list)
+
+
 def _visible_entries(folder: str) -> list[os.DirEntry]:
     """The entries of ``folder`` sorted by name, without hidden ones (``.DS_Store``, ``.git``, ...)."""
     with os.scandir(folder) as entries:
         return sorted((e for e in entries if not e.name.startswith(".")), key=lambda e: e.name)
 
 
-def _is_image_file(entry: os.DirEntry, empty: list[str]) -> bool:
-    """An image file with content; a zero-byte file (an interrupted copy or download) goes to ``empty``."""
-    if not (_is_image(entry.name) and entry.is_file()):
+def _kind(entry: os.DirEntry, found: _Found) -> str | None:
+    """``"dir"``, ``"file"`` or ``None`` (anything else) for ``entry``, following symbolic links; a link that leads
+    nowhere (a loop, a missing target) goes to ``found.broken`` as ``None``."""
+    try:
+        if entry.is_dir():
+            return "dir"
+        if entry.is_file():
+            return "file"
+        if entry.is_symlink():  # a dangling link: is_dir and is_file are False, not errors
+            os.stat(entry.path)
+    except OSError:
+        found.broken.append(entry.path)
+        return None
+    return None
+
+
+def _is_image_file(entry: os.DirEntry, found: _Found, kind: str | None = "") -> bool:
+    """An image file with content; a zero-byte file (an interrupted copy or download) goes to ``found.empty``, a
+    file of another kind to ``found.other``. ``kind``: the entry's :func:`_kind`, when known."""
+    if (_kind(entry, found) if kind == "" else kind) != "file":
+        return False
+    if not _is_image(entry.name):
+        found.other[os.path.splitext(entry.name)[1].lower() or "no extension"] += 1
         return False
     if entry.stat().st_size == 0:
-        empty.append(entry.path)
+        found.empty.append(entry.path)
         return False
     return True
 
 
-def _find_images(folder: str, empty: list[str], _ancestors: frozenset[str] = frozenset()) -> list[str]:
+def _find_images(folder: str, found: _Found, _ancestors: frozenset[str] = frozenset()) -> list[str]:
     """Every non-empty image file under ``folder``, recursively, in sorted order, following symbolic links;
-    zero-byte image files are appended to ``empty``."""
+    what is left out is noted in ``found``."""
     real = os.path.realpath(folder)
     if real in _ancestors:  # a link back to an enclosing folder would otherwise recurse forever
         return []
-    found = []
+    images = []
     for entry in _visible_entries(folder):
-        if entry.is_dir():
-            found.extend(_find_images(entry.path, empty, _ancestors | {real}))
-        elif _is_image_file(entry, empty):
-            found.append(entry.path)
-    return found
+        kind = _kind(entry, found)
+        if kind == "dir":
+            images.extend(_find_images(entry.path, found, _ancestors | {real}))
+        elif _is_image_file(entry, found, kind):
+            images.append(entry.path)
+    return images
 
 
-def _no_images_error(root: str, where: str = "", empty: int = 0) -> ValueError:
-    also = f"; {empty} zero-byte image files were skipped" if empty else ""
+def _no_images_error(root: str, where: str = "", found: _Found | None = None) -> ValueError:
+    also = ""
+    if found is not None:
+        also += f"; {len(found.empty)} zero-byte image files were skipped" if found.empty else ""
+        also += "".join(f"; {line}" for line in _left_out_lines(found))
     return ValueError(
         f"no images found under {root}{where} (looked for files ending in {', '.join(IMAGE_EXTENSIONS)}, "
         f"in any letter case, skipping hidden files and folders{also})"
     )
 
 
-def _warn_empty(root: str, empty: list[str]) -> None:
-    if empty:
+def _left_out_lines(found: _Found) -> list[str]:
+    """What :func:`scan_images` says of the files of other kinds and the links it left out."""
+    lines = []
+    if found.other:
+        kinds = ", ".join(f"{ext} {n}" for ext, n in sorted(found.other.items(), key=lambda kv: (-kv[1], kv[0])))
+        lines.append(f"{sum(found.other.values())} files left out: not images of a listed kind ({kinds})")
+    if found.broken:
+        lines.append(
+            f"{len(found.broken)} symbolic links skipped: they lead nowhere (a loop or a missing target, "
+            f"e.g. {found.broken[0]})"
+        )
+    return lines
+
+
+def _warn_left_out(root: str, found: _Found) -> None:
+    """One warning line for each kind of file the scan of ``root`` left out."""
+    if found.empty:
         warnings.warn(
-            f"skipped {len(empty)} zero-byte image files under {root} (e.g. {empty[0]}): they hold no image",
+            f"skipped {len(found.empty)} zero-byte image files under {root} (e.g. {found.empty[0]}): they hold no "
+            "image",
             ObowWarning,
             stacklevel=3,
         )
+    for line in _left_out_lines(found):
+        warnings.warn(f"under {root}, {line}", ObowWarning, stacklevel=3)
 
 
 def scan_images(root: str | os.PathLike, labels: str = "auto", images_per_class: int | None = None) -> ImageList:
@@ -136,7 +190,9 @@ def scan_images(root: str | os.PathLike, labels: str = "auto", images_per_class:
 
     The order is sorted and deterministic; hidden files and folders are skipped; symbolic links are followed.
     Zero-byte image files (an interrupted copy) are skipped with a warning that counts them, so that they do
-    not count as images when the batch size is checked.
+    not count as images when the batch size is checked; so are symbolic links that lead nowhere (a loop, a
+    missing target), and files of a kind not listed (:data:`IMAGE_EXTENSIONS`: a GIF, animated or not, a
+    ``.txt``) are counted by extension in one warning line.
     ``images_per_class`` keeps the first N images of each class in that order, the way the official
     ImageNet-20% subset is drawn (official notes 4). Raises ``ValueError`` with the reason.
     """
@@ -149,12 +205,13 @@ def scan_images(root: str | os.PathLike, labels: str = "auto", images_per_class:
     if images_per_class is not None and (isinstance(images_per_class, bool) or images_per_class < 1):
         raise ValueError(f"images_per_class must be an integer >= 1, got {images_per_class!r}")
 
-    empty: list[str] = []  # zero-byte image files, skipped with a warning
+    found = _Found()  # what is left out, one warning line per kind
     top = _visible_entries(root)
-    top_images = [e.path for e in top if _is_image_file(e, empty)]
+    top_images = [e.path for e in top if _is_image_file(e, found)]
+    top_dirs = [e for e in top if e.path not in top_images and _kind(e, _Found()) == "dir"]
     if labels == "auto" and top_images:
         labels = "none"
-    class_images = {e.name: _find_images(e.path, empty) for e in top if e.is_dir()} if labels != "none" else {}
+    class_images = {e.name: _find_images(e.path, found) for e in top_dirs} if labels != "none" else {}
     if labels == "auto":
         labels = "folders" if any(class_images.values()) else "none"
 
@@ -164,11 +221,11 @@ def scan_images(root: str | os.PathLike, labels: str = "auto", images_per_class:
                 f"images_per_class={images_per_class} needs class folders, but the images under {root} are "
                 "read as unlabelled (labels='none', or 'auto' found no class sub-folders)"
             )
-        empty.clear()  # the whole tree is scanned again
-        paths = _find_images(root, empty)
+        found = _Found()  # the whole tree is scanned again
+        paths = _find_images(root, found)
         if not paths:
-            raise _no_images_error(root, empty=len(empty))
-        _warn_empty(root, empty)
+            raise _no_images_error(root, found=found)
+        _warn_left_out(root, found)
         return ImageList(root=root, paths=paths, labels=None, classes=None)
 
     if top_images:
@@ -177,14 +234,14 @@ def scan_images(root: str | os.PathLike, labels: str = "auto", images_per_class:
             "labels='folders' every image must be inside a class sub-folder: move them or use labels='none'"
         )
     if not any(class_images.values()):
-        raise _no_images_error(root, " in any class sub-folder", len(empty))
+        raise _no_images_error(root, " in any class sub-folder", found)
     classes = sorted(class_images)
     paths, targets = [], []
     for label, name in enumerate(classes):
         kept = class_images[name][:images_per_class]
         paths.extend(kept)
         targets.extend([label] * len(kept))
-    _warn_empty(root, empty)
+    _warn_left_out(root, found)
     return ImageList(root=root, paths=paths, labels=targets, classes=classes)
 
 
@@ -204,6 +261,21 @@ def load_rgb(path: str | os.PathLike) -> Image.Image:
     rgb = _to_rgb(upright)
     rgb.load()
     return rgb
+
+
+def unreadable_reason(err: BaseException) -> str:
+    """Why an image file cannot be used, in a few words, from the error decoding it raised (:func:`load_rgb`): both
+    pipelines name each image they skip with it."""
+    if isinstance(err, Image.DecompressionBombError):
+        return (
+            f"over Pillow's decompression-bomb limit ({err}; the limit is PIL.Image.MAX_IMAGE_PIXELS, "
+            f"{Image.MAX_IMAGE_PIXELS} pixels, and twice that refuses an image)"
+        )
+    if isinstance(err, UnidentifiedImageError):
+        return "not an image Pillow can identify (damaged, or another kind of file under an image's name)"
+    if isinstance(err, OSError):  # the system's error (a file gone, no permission), else Pillow's (truncated, ...)
+        return f"cannot be read ({err.strerror})" if err.strerror else f"damaged ({err})"
+    return f"unreadable ({type(err).__name__}: {err})" if str(err) else f"unreadable ({type(err).__name__})"
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
@@ -250,9 +322,10 @@ class ImageDataset(Dataset):
     :class:`EpochSampler`) seeds torch and ``random`` with ``seed`` first, so the sample depends only on
     ``(i, seed)``, whichever worker process produces it. A file that cannot be read (corrupt, truncated,
     empty, not an image) is remembered and replaced by the next index, up to ``MAX_READ_TRIES`` in a row;
-    the sample reports the paths it skipped. An image whose shorter side is under ``tiny_below`` is used as it is
-    and named in the sample with that side. Items are ``{"image", "label" (-1 when unlabelled), "index" (the index
-    actually used), "skipped" (a tuple of paths), "tiny" (``((path, shorter side),)`` or ``()``)}``.
+    the sample reports the paths it skipped, each with why (:func:`unreadable_reason`). An image whose shorter side
+    is under ``tiny_below`` is used as it is and named in the sample with that side. Items are ``{"image", "label"
+    (-1 when unlabelled), "index" (the index actually used), "skipped" (a tuple of paths), "reasons" (``((path,
+    why),)`` for each skipped path), "tiny" (``((path, shorter side),)`` or ``()``)}``.
     """
 
     def __init__(
@@ -263,8 +336,8 @@ class ImageDataset(Dataset):
         self.images = images
         self.transform = transform
         self.tiny_below = tiny_below
-        #: Paths found unreadable by this process, not opened again.
-        self.unreadable: set[str] = set()
+        #: Paths found unreadable by this process, not opened again, with why (:func:`unreadable_reason`).
+        self.unreadable: dict[str, str] = {}
 
     def __len__(self) -> int:
         return len(self.images)
@@ -275,6 +348,7 @@ class ImageDataset(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} is out of range for {len(self)} images")
         img, index, skipped = self._read(index)
+        reasons = tuple((path, self.unreadable[path]) for path in skipped)
         side = min(img.size)
         tiny = ((self.images.paths[index], side),) if side < self.tiny_below else ()
         if self.transform is not None:
@@ -284,7 +358,7 @@ class ImageDataset(Dataset):
                 with _seeded(operator.index(seed)):
                     img = self.transform(img)
         label = self.images.labels[index] if self.images.labels is not None else -1
-        return {"image": img, "label": label, "index": index, "skipped": skipped, "tiny": tiny}
+        return {"image": img, "label": label, "index": index, "skipped": skipped, "reasons": reasons, "tiny": tiny}
 
     def _read(self, index: int) -> tuple[Image.Image, int, tuple[str, ...]]:
         """The first readable image from ``index`` on, the index it came from and the paths skipped."""
@@ -298,7 +372,7 @@ class ImageDataset(Dataset):
                 # a damaged file makes PIL raise many types (OSError, SyntaxError, ValueError, struct.error,
                 # DecompressionBombError, ...); any of them means "this file cannot be used"
                 except Exception as err:
-                    self.unreadable.add(path)
+                    self.unreadable[path] = unreadable_reason(err)
                     error = err
             skipped.append(path)
             index = (index + 1) % len(self)
@@ -309,12 +383,12 @@ class ImageDataset(Dataset):
 
 
 def collate(batch: list[dict[str, Any]]) -> dict[str, Any]:
-    """Stack a list of :class:`ImageDataset` items; ``"skipped"`` and ``"tiny"`` become flat lists.
+    """Stack a list of :class:`ImageDataset` items; ``"skipped"``, ``"reasons"`` and ``"tiny"`` become flat lists.
 
     Views from :class:`~obow.data.transforms.OBoWViews` collate to ``{"teacher": [B, 3, T, T], "crops":
     [B, n, 3, c, c], "patches": [B, 5, 3, p, p]}`` (official notes 4).
     """
-    listed = {key: [entry for item in batch for entry in item.get(key, ())] for key in ("skipped", "tiny")}
+    listed = {key: [entry for item in batch for entry in item.get(key, ())] for key in ("skipped", "reasons", "tiny")}
     out = default_collate([{k: v for k, v in item.items() if k not in listed} for item in batch])
     return {**out, **listed}
 

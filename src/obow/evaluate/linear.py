@@ -142,7 +142,7 @@ def train_linear_probe(
 
     Returns:
         ``top1`` (and ``top5`` with at least 5 classes) in percent, ``train_loss`` and ``lr`` per epoch,
-        and every setting used.
+        every setting used, and ``diverged``: why the probe diverged (:func:`divergence`), else ``None``.
     """
     views = _check_views(train_views, train_labels)
     check_choice("schedule", schedule, SCHEDULES)
@@ -183,12 +183,9 @@ def train_linear_probe(
         losses.append(total / n)
         lrs.append(epoch_lr)
 
-    if not math.isfinite(losses[-1]):
-        warnings.warn(
-            f"the linear probe's training loss diverged ({losses[-1]}) at lr {lr}: try a smaller learning rate",
-            ObowWarning,
-            stacklevel=2,
-        )
+    diverged = divergence(losses, num_classes)
+    if diverged:
+        warnings.warn(f"the linear probe diverged at lr {lr}: {diverged}", ObowWarning, stacklevel=2)
     head.eval()
     with torch.no_grad():
         scores = torch.cat([head(chunk.to(device)).cpu() for chunk in test_features.float().split(4096)])
@@ -210,8 +207,61 @@ def train_linear_probe(
         num_classes=num_classes,
         train_loss=losses,
         lr_per_epoch=lrs,
+        diverged=diverged,
     )
     return result
+
+
+#: A trained probe whose last epoch's mean training loss is above this many times ``ln(C)`` (the loss of the
+#: uniform prediction its near-zero initial head makes) has diverged: it ends worse than it started.
+DIVERGED_ABOVE = 1.5
+
+
+def divergence(losses: Sequence[float], num_classes: int) -> str | None:
+    """Why a probe trained with these mean training losses per epoch diverged, in a few words; ``None`` when it did
+    not: a loss that became non-finite, or a last epoch's loss above :data:`DIVERGED_ABOVE` times ``ln(C)``, the
+    loss of the uniform prediction a near-zero head starts from (a linear head's optimum is never above it)."""
+    if not losses:
+        return None
+    shown = ", ".join(f"{loss:.4g}" for loss in losses[:2]) + (f", ..., {losses[-1]:.4g}" if len(losses) > 2 else "")
+    if not all(math.isfinite(loss) for loss in losses):
+        return f"its training loss became non-finite (per epoch: {shown})"
+    chance = math.log(max(num_classes, 2))
+    if losses[-1] > DIVERGED_ABOVE * chance:
+        return (
+            f"its training loss rose far above the {chance:.2f} of an untrained head (ln {max(num_classes, 2)}) and "
+            f"stayed there (per epoch: {shown})"
+        )
+    return None
+
+
+def stable_lr(features: Tensor, num_classes: int, momentum: float = 0.9, batch_norm: bool = False) -> float:
+    """Half the largest learning rate at which SGD with ``momentum`` on a linear head's cross-entropy is stable at
+    its start: ``(1 + momentum) C / lambda_max``. At the near-zero initial head the predictions are uniform and the
+    loss's Hessian is ``(I/C - 11^T/C^2) (x) E[x x^T]`` (``x`` with a 1 for the bias), whose largest eigenvalue is
+    ``lambda_max(E[x x^T]) / C``; heavy-ball momentum diverges along it from the first steps when
+    ``lr lambda > 2 (1 + momentum)``. Half that leaves room for the Hessian's growth as the predictions sharpen.
+    ``features`` ``[N, c]`` are standardised first with ``batch_norm`` (what that head sees); at most
+    :data:`STABLE_LR_ROWS` of them are used."""
+    x = features.double()
+    if len(x) > STABLE_LR_ROWS:  # E[x x^T] of a fixed sample: an expectation, well estimated from 16k rows
+        x = x[torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:STABLE_LR_ROWS]]
+    if batch_norm:
+        x = (x - x.mean(0)) / (x.var(0, unbiased=False) + 1e-5).sqrt()  # BatchNorm1d's eps
+    x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
+    # power iteration, from the mean (the dominant direction of unnormalised features) plus a random direction (an
+    # eigenvector alone would be a fixed point: the bias's, for standardised features)
+    v = x.mean(0) + torch.randn(x.shape[1], generator=torch.Generator().manual_seed(0), dtype=x.dtype)
+    lam = 0.0
+    for _ in range(POWER_STEPS):
+        w = x.T @ (x @ v) / len(x)
+        lam, v = float(w.norm()), w / w.norm().clamp_min(1e-300)
+    return (1.0 + momentum) * num_classes / max(lam, 1e-12)
+
+
+#: Rows of the features :func:`stable_lr` estimates ``E[x x^T]`` from, and its power-iteration steps.
+STABLE_LR_ROWS = 16384
+POWER_STEPS = 100
 
 
 def preset_settings(name: str) -> dict:

@@ -7,7 +7,7 @@ of an image says which class it is: OBoW's student, which predicts the whole ima
 crops of it, has to learn what the strokes of each digit look like. A random network's pooled features
 follow how many digits there are, how large and where, more than which (kNN 16 to 20%, chance 10%).
 
-What was measured before settling on this (docs/demo.md): on one digit per image (at random
+What was measured before settling on this (docs/results/demo.md): on one digit per image (at random
 placements, in random colours, or blended onto photographs, MNIST-M style) the demo's pretraining did not beat
 the random network's features reliably; on the mosaics, more distinct images for the same number of steps
 (:data:`MOSAICS_PER_SCAN`) helped, and once the recipe's network started as torchvision's does (the student
@@ -22,9 +22,10 @@ training folder (labels unused) and measures the learned student next to the sam
 initialisation (the pretraining run's own starting weights), with the same protocol and features: few-shot
 prototype episodes (the paper's second protocol) and weighted kNN on the validation folder.
 
-The recipe depends on the CPU (:func:`choose_recipe`): the digits train with ``demo`` where the run computes bf16
-natively (or on a GPU), and with ``demo_fp32`` (one crop a step, the kNN monitor every 4 epochs) on a CPU without
-native bf16, where the ``demo`` recipe in fp32 took 6.3 minutes on 2 cores (docs/demo.md, "Two kinds of CPU").
+The recipe depends on how fast this machine is, measured (:func:`choose_recipe`,
+:mod:`obow.experiments.demo_probe`): the digits train with the first of ``demo``, ``demo_fp32`` (one crop a step,
+the kNN monitor every 4 epochs) and ``demo_short`` (``demo_fp32`` over half the epochs) whose demo a probe of a few
+seconds estimates within 3 minutes, in bf16 where this machine computes it faster than fp32.
 """
 
 from __future__ import annotations
@@ -70,18 +71,37 @@ class DemoDataUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class DemoData:
-    """One of the demo's datasets: what the table calls it and which recipe trains on it; ``no_bf16_recipe``, when
-    given, is the recipe on a CPU without native bfloat16 (:func:`choose_recipe`)."""
+    """One of the demo's datasets: what the table calls it and the recipes that train on it, best first: the demo
+    runs the first whose estimate fits its budget on this machine (:func:`choose_recipe`)."""
 
     title: str
-    recipe: str
-    no_bf16_recipe: str | None = None
+    recipes: tuple[str, ...]
 
 
 DATASETS = {
-    "digits": DemoData("Digit mosaics (scikit-learn's digits)", "demo", "demo_fp32"),
-    "cifar10": DemoData(f"CIFAR-10 ({CIFAR10_PER_CLASS[0]} + {CIFAR10_PER_CLASS[1]} images a class)", "demo_cifar10"),
+    "digits": DemoData("Digit mosaics (scikit-learn's digits)", ("demo", "demo_fp32", "demo_short")),
+    "cifar10": DemoData(
+        f"CIFAR-10 ({CIFAR10_PER_CLASS[0]} + {CIFAR10_PER_CLASS[1]} images a class)", ("demo_cifar10",)
+    ),
 }
+
+
+def digit_scans() -> tuple[int, int]:
+    """How many of scikit-learn's digit scans the training and the validation halves hold (:func:`write_digits`)."""
+    from sklearn.datasets import load_digits
+
+    n = len(load_digits().target)
+    return n - (n + 1) // 2, (n + 1) // 2
+
+
+def training_images() -> int:
+    """The digit mosaics the demo pretrains on: :data:`MOSAICS_PER_SCAN` per training scan."""
+    return digit_scans()[0] * MOSAICS_PER_SCAN
+
+
+def validation_images() -> int:
+    """The digit mosaics of the validation folder: one per validation scan."""
+    return digit_scans()[1]
 
 
 def render_digit(pixels: np.ndarray, side: int, angle: float, size: int = DEMO_IMAGE_SIZE) -> np.ndarray:
@@ -242,36 +262,35 @@ def training_device(cfg_device: str) -> torch.device:
     return torch.device("cuda" if cfg_device != "cpu" and torch.cuda.is_available() else "cpu")
 
 
-def choose_recipe(data: DemoData, overrides: list[str], recipe: str | None = None) -> tuple[str, str | None]:
-    """The recipe the demo trains ``data`` with on this machine, and the line that says why when it is not the
-    dataset's own: ``recipe`` when the user named one (``obow demo --recipe``); else, on a CPU without native
-    bfloat16 (:func:`obow.training.run.precision.native_bf16`: no AVX-512 BF16 or AMX, where ``train.precision:
-    auto`` runs fp32), ``data.no_bf16_recipe`` (``demo_fp32``: one crop a step, the kNN monitor every 4 epochs,
-    0.6 of the CPU time; the ``demo`` recipe took 6.3 minutes on a 2-core AVX2-only CPU, docs/demo.md); else
-    ``data.recipe``. The
-    device is the one the run would train on with the user's ``overrides`` (``train.device``); their
-    ``key=value`` changes apply to whichever recipe is chosen, and win over it."""
+def choose_recipe(
+    data: DemoData, overrides: list[str], recipe: str | None = None, write_data: bool = True
+) -> tuple[str, str | None, list[str]]:
+    """The recipe the demo trains ``data`` with on this machine, the line that says why (``None``: no choice was
+    made), and the settings the choice adds (the precision it measured faster). ``recipe`` when the user named one
+    (``obow demo --recipe``); the dataset's only recipe when it has one, and its first on a GPU; else, on a CPU,
+    the first of ``data.recipes`` (best first) whose demo a short probe of this machine estimates within the
+    budget, at the faster precision (:func:`obow.experiments.demo_probe.choose_by_probe`). The device is the one
+    the run would train on with the user's ``overrides`` (``train.device``); their ``key=value`` changes apply to
+    whichever recipe is chosen, and win over it (a ``train.precision`` of theirs is the only one probed).
+    ``write_data``: whether the demo's images are still to be written (part of the estimate)."""
     from obow.config import load_config, parse_override
-    from obow.training.run.precision import native_bf16
 
     if recipe is not None:
         load_config(recipe)  # an unknown recipe: an error before the data is written
-        return recipe, None
-    if data.no_bf16_recipe is None:
-        return data.recipe, None
+        return recipe, None, []
+    if len(data.recipes) == 1:
+        return data.recipes[0], None, []
     asked = [parse_override(item).get("train", {}) for item in overrides]
-    devices = [train["device"] for train in asked if isinstance(train, dict) and "device" in train]
-    device = training_device(devices[-1] if devices else load_config(data.recipe).train.device)
-    if device.type != "cpu" or native_bf16(device):
-        return data.recipe, None
-    cfg = load_config(data.no_bf16_recipe)
-    line = (
-        f"This CPU has no native bf16 (no AVX-512 BF16 or AMX), so the demo runs in fp32 with the "
-        f"'{data.no_bf16_recipe}' recipe: {cfg.views.num_crops} crop{'s' * (cfg.views.num_crops != 1)} an image a "
-        f"step and the kNN monitor every {cfg.train.knn_every} epochs, to end within 5 minutes (docs/demo.md, "
-        f"'Two kinds of CPU'); `obow demo --recipe {data.recipe}` runs the '{data.recipe}' recipe."
-    )
-    return data.no_bf16_recipe, line
+    train = {k: v for item in asked if isinstance(item, dict) for k, v in item.items()}
+    device = training_device(train.get("device", load_config(data.recipes[0]).train.device))
+    if device.type != "cpu":
+        return data.recipes[0], None, []
+    from obow.experiments.demo_probe import choose_by_probe
+
+    configs = {name: load_config(name, overrides) for name in data.recipes}
+    choice = choose_by_probe(configs, device, write_data, precisions=train.get("precision"))
+    added = [] if "precision" in train else [f"train.precision={choice.precision}"]
+    return choice.recipe, choice.line(), added
 
 
 def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: str | None = None) -> dict:
@@ -287,6 +306,7 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
     from obow.evaluate.knn import knn_accuracy
     from obow.evaluate.monitor import KNNMonitor
     from obow.training.loop import pretrain
+    from obow.training.run.precision import resolve_precision
     from obow.weights.load import load_backbone
 
     start = time.time()
@@ -294,16 +314,17 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
 
     check_choice("dataset", dataset, tuple(DATASETS))
     data = DATASETS[dataset]
-    recipe, why = choose_recipe(data, overrides, recipe)
+    written = (out / "data" / dataset / ".complete").exists()
+    recipe, why, chosen = choose_recipe(data, overrides, recipe, write_data=not written)
     if why:
         print(why, flush=True)
     train_dir, val_dir = write_demo_data(dataset, out / "data")
-    cfg = load_config(recipe, demo_settings(out, overrides, train_dir, val_dir))
+    cfg = load_config(recipe, demo_settings(out, [*chosen, *overrides], train_dir, val_dir))
     log.info("Demo: pretraining %s on %s (recipe '%s')", cfg.model.arch, train_dir, recipe)
     result = pretrain(cfg, out / "pretrain", monitor=KNNMonitor)
     # a run finished by an earlier call trains nothing now: its time is the one that call wrote down
     pretrained_earlier = bool(result.get("already_finished"))
-    pretrain_time = earlier_pretrain_seconds(out) if pretrained_earlier else time.time() - start
+    pretrain_time = earlier_pretrain_seconds(out) if pretrained_earlier else run_seconds(out / "pretrain" / "log.jsonl")
 
     train_set = eval_dataset(train_dir, cfg.views)
     val_set = eval_dataset(val_dir, cfg.views)
@@ -341,6 +362,8 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
         "total_seconds": total,
         "dataset": dataset,
         "recipe": recipe,
+        "precision": resolve_precision(cfg.train.precision, training_device(cfg.train.device)),
+        "choice": why,
         "out": str(out),
     }
     with writing(out / "demo_results.json") as path, open(path, "w") as f:
@@ -361,6 +384,14 @@ def earlier_pretrain_seconds(out: Path) -> float | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return float(seconds) if isinstance(seconds, int | float) else None
+
+
+def run_seconds(log_path: Path) -> float:
+    """The seconds the run trained, over every call that trained it (a resumed run's earlier calls too): its
+    epochs' steps and kNN monitor, from the epoch records of its log."""
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    epochs = [r for r in records if r.get("type") == "epoch"]
+    return sum(r.get("epoch_time_s", 0.0) + r.get("monitor_time_s", 0.0) for r in epochs)
 
 
 def knn_curve(log_path: Path) -> list[tuple[int, float]]:
@@ -470,6 +501,6 @@ def print_table(
     print(f"kNN accuracy, pretrained minus random init: {gain:+.2f} points; {took}.")
     if gain <= 0:
         print(
-            "This run did not improve on the random network's features (docs/demo.md and docs/short-runs.md say\n"
-            "what was measured, and at which budgets OBoW does)."
+            "This run did not improve on the random network's features (docs/results/demo.md and\n"
+            "docs/short-runs.md say what was measured, and at which budgets OBoW does)."
         )

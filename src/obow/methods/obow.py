@@ -137,7 +137,7 @@ class OBoW(Method):
     @torch.no_grad()
     def teacher_targets(self, images: Tensor, update: bool | None = None) -> dict[str, BoWTargets]:
         """BoW targets of every level for the teacher's views ``[B, 3, H, W]``."""
-        maps = self.teacher(images, levels=self.levels).maps
+        maps = self.teacher.maps(images, self.levels)
         return {level: self.extractors[level](maps[level], update, self.diagnose) for level in self.levels}
 
     def forward(

@@ -11,9 +11,9 @@ batch of a run's first epoch is; the device pipeline's cache of them is decoded 
 Every view is written as its own lossless PNG, its normalised pixels mapped back to ``uint8``
 (``round(255 * (x * std + mean))``, :func:`obow.show.words.view_pixels`): ``image003_teacher.png``,
 ``image003_crop1.png``, ``image003_patch4.png``, the number being the image's position in the folder's order.
-The workers' views were 8-bit images before normalisation and come back exactly; the device pipeline's are
-floats, rounded to the nearest level. ``overview.png`` shows the first few images' views side by side, each at
-its own size in pixels.
+The views were 8-bit images before normalisation and come back exactly, but for the device pipeline's blurred
+crops (its blur runs in floats), rounded to the nearest level. ``overview.png`` shows the first few images'
+views side by side, each at its own size in pixels.
 """
 
 from __future__ import annotations

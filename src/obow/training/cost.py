@@ -1,28 +1,34 @@
 """What a run will cost, said before its first step: memory and time per epoch on this device, and what a run that
-clearly does not fit, or that runs out of memory, is told.
+clearly does not fit, or that runs out of memory, is told (a step's own cost, traced or measured:
+:mod:`obow.training.step_cost`, whose functions are named below).
 
 The paper's recipe (ResNet-50, batch 256, 224 px teacher, 2 crops and 5 patches) on a CPU was killed by the
-kernel for memory without a word (exit 137). :func:`check_budget` measures the run's step before it starts:
+kernel for memory without a word (exit 137). :func:`check_budget` says what it measures, then measures the run's
+step before it starts:
 
 * the memory: the weights, buffers, gradients and momentum of the method (counted), plus the activations of a
-  step, on a line through steps of 1 and 2 images out to ``data.batch_size``: on a CPU the most bytes kept at
-  once for the backward pass
+  step. On a CPU (:func:`estimate_step`) the step of the whole batch is traced on fake tensors, shapes without
+  computation (three real steps of 1, 2 and 1 images of the paper's recipe took 749 s on a busy CPU before a
+  refusal; the trace takes seconds), and its activations are the most bytes kept at once for the backward pass
   (through ``torch.autograd.graph.saved_tensors_hooks``, view groups back-propagated one by one as the run does),
-  which leaves out temporary buffers (e.g. the teacher's distances to the vocabulary), so it is a floor; on a GPU
-  the allocator's own peak, temporary buffers included;
-* the time per epoch: a step's time on the same line, times the steps of an epoch, loading the images not counted
-  (on a CPU, where a step's time grows about in proportion to its images; a GPU's small steps say little about a
-  full batch, so none is given there). On a busy machine it is rough;
+  which leaves out temporary buffers (e.g. the teacher's distances to the vocabulary), so it is a floor. On a GPU
+  (:func:`measure_step`) steps of 1 and 2 images are run, a line through them out to ``data.batch_size``, the
+  allocator's own peak, temporary buffers included;
+* the time per epoch, on a CPU: the traced step's floating-point operations at the rate this CPU does the
+  student's forward and backward pass on one image (:func:`cpu_flop_rate`), times the steps of an epoch, loading
+  the images not counted (a GPU's small steps say little about a full batch, so none is given there). On a busy
+  machine it is rough;
 * what the machine has: ``MemAvailable`` of ``/proc/meminfo``, the control group's limit less its use, and the
   address-space limit (``ulimit -v``) less what the process maps; on a GPU, ``torch.cuda.mem_get_info``.
 
 A run whose estimate is above :data:`REFUSE_ABOVE` of what is available is refused with one line naming what to
-lower; above :data:`WARN_ABOVE`, warned about. The measurement costs three small steps on a model built for it
-(4 images in all), so it is made only where a generous bound (:func:`rough_bound`) says the run may need more
-than a quarter of the memory available; the random generators are left as they were.
+lower; above :data:`WARN_ABOVE`, warned about. The measurement builds the method once, so it is made only where a
+generous bound (:func:`rough_bound`) says the run may need more than a quarter of the memory available; the
+random generators are left as they were.
 
-An out-of-memory error during training still happens where the estimate is low (temporary buffers, another job
-taking memory): :func:`out_of_memory` turns the allocator's message into one line naming what to lower.
+An out-of-memory error still happens where the estimate is low (temporary buffers, another job taking memory),
+and before the first step (the image cache, the kNN monitor): :func:`out_of_memory` turns the allocator's message
+(or Python's ``MemoryError``) into one line naming where it happened and what to lower.
 """
 
 from __future__ import annotations
@@ -32,11 +38,9 @@ import logging
 import os
 import re
 import resource
-import time
-import weakref
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -44,6 +48,7 @@ from obow import distributed as D
 from obow.config import Config
 from obow.training.run.random_states import get_rng_state, set_rng_state
 from obow.training.run.state import RunError
+from obow.training.step_cost import PROBE_IMAGES, estimate_step, measure_step
 
 log = logging.getLogger("obow")
 
@@ -53,8 +58,6 @@ WARN_ABOVE = 0.8
 #: Bytes of activation kept per pixel of a step's views per image, an upper bound for the ResNets obow trains in fp32
 #: (ResNet-50 keeps about 3 kB per pixel of its input: about 150 MB for a 224 px image).
 BYTES_PER_PIXEL = 4096
-#: The images of the larger of the two steps measured (:func:`measure_step`).
-PROBE_IMAGES = 2
 #: The step is measured only when :func:`rough_bound` is above a quarter of the memory available, or this where
 #: that is unknown (a test-sized run is not measured).
 MEASURE_FROM = 1 << 30
@@ -121,106 +124,6 @@ def available_memory(device: torch.device) -> int | None:
     return max(min(limits), 0) if limits else None
 
 
-def state_bytes(model: torch.nn.Module) -> int:
-    """The method's weights and buffers, with a gradient and a momentum buffer per trainable weight."""
-    params = sum(p.numel() * p.element_size() * (3 if p.requires_grad else 1) for p in model.parameters())
-    return params + sum(b.numel() * b.element_size() for b in model.buffers())
-
-
-class SavedPeak:
-    """The most bytes of activations the autograd graph holds at once while the block runs: every tensor it saves
-    for a backward pass counted once per storage, from when it is saved until its graph is freed."""
-
-    def __init__(self) -> None:
-        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, holders]
-        self.now = 0
-        self.peak = 0
-
-    def pack(self, tensor: torch.Tensor) -> Any:
-        holder = _Held(tensor)
-        key = tensor.untyped_storage().data_ptr()
-        entry = self.live.setdefault(key, [tensor.untyped_storage().nbytes(), 0])
-        if entry[1] == 0:
-            self.now += entry[0]
-            self.peak = max(self.peak, self.now)
-        entry[1] += 1
-        weakref.finalize(holder, self.release, key)
-        return holder
-
-    def release(self, key: int) -> None:
-        entry = self.live[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.now -= entry[0]
-            del self.live[key]
-
-    @contextlib.contextmanager
-    def watching(self) -> Any:
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda held: held.tensor):
-            yield self
-
-
-class _Held:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-def probe_batch(cfg: Config, images: int) -> dict[str, torch.Tensor]:
-    """``images`` copies of the views of one grey image, as the loader batches them."""
-    from PIL import Image
-
-    from obow.methods import build_views, used_side
-
-    side = used_side(cfg.views)
-    views = build_views(cfg)(Image.new("RGB", (side, side), (128, 128, 128)))
-    return {key: torch.stack([value] * images) for key, value in views.items() if isinstance(value, torch.Tensor)}
-
-
-def measure_step(cfg: Config, device: torch.device) -> tuple[int, int, float, str]:
-    """Build the method anew and run steps of 1, :data:`PROBE_IMAGES` and again 1 image: its state bytes, then the
-    activation bytes and the seconds of a step of ``data.batch_size`` images per process, each on a line through
-    the small steps (part of a step does not grow with its images: the vocabulary's, the weight generator's; the
-    first step, which sets things up, is not timed), and how the memory was measured."""
-    from obow.methods import build_method
-    from obow.training.run.precision import precision_context
-    from obow.training.step.shared import forward_backward, to_device
-
-    model = build_method(cfg, total_iterations=1000, resuming=True).to(device).train()
-    model.begin_step(logged=False)  # as on most steps of a run: the diagnostics are computed on the logged ones
-    states = state_bytes(model)
-    per_group = cfg.train.backward_per_group and model.supports_groups
-    peaks: dict[int, int] = {}
-    seconds: dict[int, float] = {}
-    for images in (1, PROBE_IMAGES, 1):
-        teacher, views = to_device(probe_batch(cfg, images), device, cfg.train.channels_last)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
-        start = time.perf_counter()
-        with SavedPeak().watching() as saved:
-            forward_backward(model, teacher, views, None, precision_context(cfg.train.precision, device), per_group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            peaks.setdefault(images, torch.cuda.max_memory_allocated(device) - before)
-        else:
-            peaks.setdefault(images, saved.peak)
-        seconds[images] = time.perf_counter() - start  # the last of each size: the first step sets things up
-        model.zero_grad(set_to_none=True)
-    del model, teacher, views
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    batch = cfg.data.batch_size // D.world_size()
-    n = PROBE_IMAGES
-    activations = peaks[1] + max(peaks[n] - peaks[1], 0) * (batch - 1) // (n - 1)
-    per_image = (seconds[n] - seconds[1]) / (n - 1)
-    step = seconds[1] + per_image * (batch - 1) if per_image > 0 else seconds[n] / n * batch  # else: noise
-    how = "the allocator's peak" if device.type == "cuda" else "kept for the backward pass, a floor"
-    return states, activations, step, how
-
-
 def check_budget(cfg: Config, device: torch.device, iters_per_epoch: int) -> Cost | None:
     """Measure the run's cost before its first step (when :func:`rough_bound` is above a quarter of the memory
     available), say it in one line, and refuse (:class:`~obow.training.run.state.RunError`) or warn when it clearly
@@ -228,15 +131,32 @@ def check_budget(cfg: Config, device: torch.device, iters_per_epoch: int) -> Cos
     available = available_memory(device)
     if rough_bound(cfg) < (available / 4 if available is not None else MEASURE_FROM):
         return None
+    if D.is_main_process():
+        log.info("Cost: %s", what_is_measured(cfg, device))
     rng = get_rng_state()
+    seconds: float | None
     try:
-        states, activations, seconds, how = measure_step(cfg, device)
+        if device.type == "cpu":  # traced at the batch's shapes: seconds, where measured steps took minutes
+            states, activations, seconds, how = estimate_step(cfg, device)
+        else:  # a GPU's steps of 1 and 2 images take a fraction of a second
+            states, activations, seconds, how = measure_step(cfg, device)
     finally:
         set_rng_state(rng)
-    epoch = seconds * iters_per_epoch if device.type == "cpu" else None
+    epoch = seconds * iters_per_epoch if device.type == "cpu" and seconds is not None else None
     cost = Cost(states, activations, epoch, available, how)
     judge(cost, cfg, device)
     return cost
+
+
+def what_is_measured(cfg: Config, device: torch.device) -> str:
+    """The line said before :func:`check_budget` measures: what it measures, and how."""
+    batch = f"data.batch_size={cfg.data.batch_size}" + (f" ({D.world_size()} processes)" if D.world_size() > 1 else "")
+    if device.type == "cpu":
+        return (
+            f"estimating the memory and time of a step at {batch} before the first step: its tensors traced at "
+            "their shapes (no computation), the time from this CPU's speed on one image"
+        )
+    return f"measuring steps of 1 and {PROBE_IMAGES} images on {device} before the first step, out to {batch}"
 
 
 def judge(cost: Cost, cfg: Config, device: torch.device) -> None:
@@ -270,15 +190,50 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def out_of_memory(err: BaseException, cfg: Config) -> RunError | None:
-    """One line for an out-of-memory error of the allocator (CPU or GPU), naming what to lower; ``None`` for any
-    other error."""
+def allocation_failed(err: BaseException) -> str | None:
+    """For an out-of-memory error (PyTorch's CPU or GPU allocator, or Python's ``MemoryError``): how much it asked
+    for, as `` (it asked for N more)`` (empty when its message does not say); ``None`` for any other error."""
     text = str(err)
-    if not (isinstance(err, torch.OutOfMemoryError) or "not enough memory" in text or "can't allocate memory" in text):
+    if not (
+        isinstance(err, (torch.OutOfMemoryError, MemoryError))
+        or "not enough memory" in text
+        or "can't allocate memory" in text
+    ):
         return None
     found = re.search(r"[Tt]ried to allocate (\d+ bytes|[\d.]+ [KMGT]iB)", text)
-    asked = f" (it asked for {found.group(1)} more)" if found else ""
-    return RunError(f"out of memory during training{asked} at data.batch_size={cfg.data.batch_size}: {LOWER}")
+    return f" (it asked for {found.group(1)} more)" if found else ""
+
+
+#: Where in a run an out-of-memory error happened, by the module it was raised in (the innermost that matches),
+#: and what lowers that part's memory; the rest of a run is its steps (:data:`LOWER`).
+PHASES = (
+    (
+        "obow/data/cache.py",
+        "building or reading the image cache of data.pipeline=device",
+        "lower data.cache_size (the side every image is cached at), or use data.pipeline=workers",
+    ),
+    (
+        "obow/evaluate/",
+        "in the kNN monitor (its --val images' features)",
+        "use fewer --val images, or train.knn_every=0 (no monitor)",
+    ),
+)
+
+
+def out_of_memory(err: BaseException, cfg: Config | None) -> RunError | None:
+    """One line for an out-of-memory error of the allocator (CPU or GPU) or of Python, naming where in the run it
+    happened (:data:`PHASES`: the image cache, the kNN monitor; else the steps, at ``cfg``'s batch size when given)
+    and what to lower; ``None`` for any other error."""
+    asked = allocation_failed(err)
+    if asked is None:
+        return None
+    # the frames it passed through, and the text of a loader worker's traceback, which it carries in its message
+    seen = [frame.filename.replace(os.sep, "/") for frame in traceback.extract_tb(err.__traceback__)] + [str(err)]
+    for part, where, lower in PHASES:
+        if any(part in name for name in seen):
+            return RunError(f"out of memory {where}{asked}: {lower}")
+    batch = f" at data.batch_size={cfg.data.batch_size}" if cfg is not None else ""
+    return RunError(f"out of memory during training{asked}{batch}: {LOWER}")
 
 
 #: How many images :func:`check_view_sizes` opens (their headers only), spread over the folder.

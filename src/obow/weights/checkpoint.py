@@ -42,6 +42,8 @@ import shutil
 import tempfile
 import uuid
 import warnings
+import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -165,6 +167,8 @@ def why_unreadable(path: Path, err: Exception) -> str:
     text = str(err)
     if path.stat().st_size == 0:
         return "the file is empty"
+    if damage := zip_damage(path):  # before what its unpickled bytes look like: damaged bytes can look like anything
+        return damage
     if kind := other_kind_of_file(path):
         return f"it is not a file written by torch.save but {kind}"
     if isinstance(err, pickle.UnpicklingError):
@@ -180,6 +184,28 @@ def why_unreadable(path: Path, err: Exception) -> str:
         first = text.split(". ")[0].strip() if text else type(err).__name__
         return f"the file is damaged or cut short ({err.strerror if isinstance(err, OSError) else first})"
     return f"it is not a file written by torch.save ({type(err).__name__}: {text.splitlines()[0] if text else ''})"
+
+
+def zip_damage(path: Path) -> str | None:
+    """What is damaged in ``path`` when it is a zip archive (``torch.save``'s format) one of whose files does not
+    match the CRC-32 checksum the archive records for it, or whose header is damaged; ``None`` when every file
+    matches, or when ``path`` is not read as a zip archive."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None
+    with archive:
+        for info in archive.infolist():
+            try:
+                with archive.open(info) as f:
+                    while f.read(1 << 22):  # to its end, where the CRC-32 is checked
+                        pass
+            except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError) as err:
+                if isinstance(err, NotImplementedError):  # a compression this Python does not read: not damage
+                    return None
+                check = "does not match its CRC-32 checksum" if "CRC" in str(err) else "has a damaged header"
+                return f"the file is damaged: {info.filename} in it {check}"
+    return None
 
 
 def other_kind_of_file(path: Path) -> str | None:
@@ -250,6 +276,8 @@ def _load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu")
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} is not an obow pretraining checkpoint: {describe(ckpt)}")
     if ckpt.get("version", 0) > VERSION:
+        if why := verify(dict(ckpt), path):  # a damaged version number, not a newer obow's file
+            raise UnreadableFile(f"cannot read checkpoint {str(path)!r}: {why}", why)
         raise ValueError(f"{str(path)!r} has checkpoint version {ckpt['version']}; this obow reads up to {VERSION}")
     if why := verify(ckpt, path):
         raise UnreadableFile(f"cannot read checkpoint {str(path)!r}: {why}", why)

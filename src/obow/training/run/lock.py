@@ -9,8 +9,10 @@ holder writes into the file).
 The operating system releases a ``flock`` when its process ends, however it ends (a crash, ``kill -9``, the
 OOM killer), so a dead holder never blocks the next run: when the lock is free but the file still names a
 holder (it did not end cleanly), the new process takes the lock over and says whose it was. A clean exit
-empties the file. The file itself is kept: removing it could let two processes lock two different files of
-the same name.
+empties the file, and where the command wrote nothing else (a run refused before its first file, e.g. by the
+cost check) it removes the file, and the folders it created for it: a refused command leaves nothing behind.
+The file is removed while it is still locked, and a process that locked it meanwhile finds it no longer at its
+path and starts again, so two processes never lock two different files of the same name.
 
 A ``flock`` belongs to the open file, which a forked child shares: a data-loading worker forked by the holder
 would keep the lock after its parent's ``kill -9``, for the seconds it takes to notice (PyTorch's workers look
@@ -86,6 +88,8 @@ class RunLock:
         self.path = self.folder / LOCK_NAME
         self.device = device or torch.device("cpu")
         self.fd: int | None = None
+        #: The folders :meth:`acquire` created, the deepest first (removed again when nothing else was written).
+        self.created: list[Path] = []
 
     def __enter__(self) -> RunLock:
         failure: BaseException | None = None
@@ -106,15 +110,24 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock or raise :class:`FolderInUse`; write who holds it."""
-        make_folder(self.folder)
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # the umask decides the mode
-        except OSError as err:
-            raise write_error(self.path, err) from err
-        if not lock_or_wait_for_leftovers(fd):
-            holder = read_holder(fd)
-            os.close(fd)
-            raise FolderInUse(refusal_message(self.folder, holder))
+        for _ in range(ATTEMPTS):
+            self.created = missing_folders(self.folder)
+            make_folder(self.folder)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # the umask decides the mode
+            except FileNotFoundError:  # the folder was removed by a holder that wrote nothing: make it again
+                continue
+            except OSError as err:
+                raise write_error(self.path, err) from err
+            if not lock_or_wait_for_leftovers(fd):
+                holder = read_holder(fd)
+                os.close(fd)
+                raise FolderInUse(refusal_message(self.folder, holder))
+            if still_at_path(fd, self.path):
+                break
+            os.close(fd)  # a holder removed it as we opened it (release): lock the file now at the path
+        else:
+            raise FolderInUse(f"{self.folder}: its lock file kept being removed by other processes; try again")
         left = read_holder(fd)
         if left:
             log.warning("%s", takeover_message(self.folder, left))
@@ -128,17 +141,52 @@ class RunLock:
         _HELD.add(fd)
 
     def release(self) -> None:
-        """Empty the file (a clean end) and let the lock go."""
+        """Empty the file (a clean end) and let the lock go; where nothing else was written in the folder, remove
+        the file, and the folders :meth:`acquire` created, while the lock is still held."""
         if self.fd is None:
             return
         _HELD.discard(self.fd)
         try:
-            os.ftruncate(self.fd, 0)
+            if holds_only_the_lock(self.folder):
+                os.unlink(self.path)
+                for folder in self.created:
+                    folder.rmdir()  # stops (OSError) at the first that another process wrote in meanwhile
+            else:
+                os.ftruncate(self.fd, 0)
         except OSError:
             pass  # a full or read-only disk now: the next run will report a take-over, which is still right
         finally:
             os.close(self.fd)  # closing the last descriptor releases the flock
             self.fd = None
+
+
+#: How many times :meth:`RunLock.acquire` opens the lock file again after finding it removed as it locked it.
+ATTEMPTS = 20
+
+
+def missing_folders(folder: Path) -> list[Path]:
+    """The folders ``mkdir -p folder`` would create, the deepest first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def still_at_path(fd: int, path: Path) -> bool:
+    """Whether the file open as ``fd`` is the one at ``path`` (not removed, nor replaced, since it was opened)."""
+    try:
+        now, held = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+def holds_only_the_lock(folder: Path) -> bool:
+    try:
+        return [entry.name for entry in os.scandir(folder)] == [LOCK_NAME]
+    except OSError:
+        return False
 
 
 def try_lock(fd: int) -> bool:

@@ -61,7 +61,8 @@ class Deliveries:
     request. Its C-level handler, though, writes one byte per delivery to the wakeup file descriptor
     (:func:`signal.set_wakeup_fd`): a non-blocking pipe here, which :meth:`count` empties. Where another part of the
     process already uses the wakeup descriptor, it is left to it, and each run of the handler counts as one signal,
-    as before. A process forked while it is set (a DataLoader worker) stops writing to it
+    as before. Two signals of a kind sent before the process runs at all reach it as one (the kernel keeps one
+    pending): nothing here can count those. A process forked while it is set (a DataLoader worker) stops writing to it
     (:func:`_forked`), so that a Ctrl-C that reaches the worker too does not count twice in its parent."""
 
     def __init__(self) -> None:

@@ -77,7 +77,7 @@ def train(setup: throughput.Setup, batches: list[dict[str, Any]], seed: int, dev
                            warmup_epochs=cfg.optim.warmup_epochs, end_lr=cfg.optim.end_lr,
                            cosine_per_epoch=cfg.optim.cosine_per_epoch)  # fmt: skip
         logged = logged_step(i + 1, interval, False)
-        run.model.diagnose, run.model.host_iteration = logged, i
+        run.model.begin_step(logged, i)
         start = time.perf_counter()
         metrics = train_step(run, batch["image"], lr)
         throughput.synchronize(device)
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     try:
         fixed = batches[-1]
         for i in range(args.replays):
-            graph_setup.run.model.diagnose, graph_setup.run.model.host_iteration = False, args.steps + i
+            graph_setup.run.model.begin_step(False, args.steps + i)
             train_step(graph_setup.run, fixed["image"], graph_setup.cfg.optim.lr)
             checked += 1
     except RuntimeError as err:

@@ -108,8 +108,7 @@ def step(setup: Setup, batch: dict[str, Any], logged: bool | None = None) -> Non
     setup.steps += 1
     if logged is None:
         logged = setup.steps % setup.diagnose_every == 0  # as the loop: on its logged steps
-    setup.run.model.diagnose = logged
-    setup.run.model.host_iteration = setup.steps - 1  # as the loop counts the iterations
+    setup.run.model.begin_step(logged, setup.steps - 1)  # as the loop counts the iterations
     train_step(setup.run, batch["image"], setup.cfg.optim.lr)
 
 

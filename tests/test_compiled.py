@@ -330,9 +330,8 @@ def test_unlogged_eager_step_reads_nothing_from_the_device(sections):
     cfg = tiny_config(**sections)
     model = build_model(cfg, 10, torch.device("cpu")).train()
     optimizer = build_optimizer(model, cfg)
-    model.diagnose = False
     for iteration in range(2):
-        model.host_iteration = iteration
+        model.begin_step(False, iteration)
         views = [torch.rand(8, 1, 3, 16, 16), torch.rand(8, 2, 3, 8, 8)]
         with DataDependentOps() as ops:
             forward_backward(model, torch.rand(8, 3, 24, 24), views, None, contextlib.nullcontext(), True)
@@ -418,7 +417,7 @@ def step_both_from_one_state(
     configure_optimizer(eager_opt, step=False)  # fused, as an eager run's
     teacher, views = (batch or random_batch)(i)
     for model in (eager, compiled):
-        model.diagnose, model.host_iteration = logged, i
+        model.begin_step(logged, i)
     state = torch.get_rng_state()
     for group in eager_opt.param_groups:
         group["lr"] = lr

@@ -26,7 +26,7 @@ from conftest import TINY_RECIPE, write_checkpoint
 
 from obow.config import Config, from_dict
 from obow.training.run.logger import RunLogger
-from obow.training.run.state import Interrupted, handle_signals
+from obow.training.run.signals import Interrupted, handle_signals
 from obow.training.step.watch import CompileWatch
 
 

@@ -84,7 +84,7 @@ def train(model, step, steps: int, seed: int = 5) -> list[dict]:
     torch.manual_seed(seed)
     metrics = []
     for i in range(steps):
-        model.diagnose, model.host_iteration = i % 7 == 3, i
+        model.begin_step(i % 7 == 3, i)
         out = step(*batch(i), 0.05 * (1 + i) / steps)
         metrics.append({k: v.clone() for k, v in out.items()})
     return metrics
@@ -132,7 +132,7 @@ def test_a_per_step_host_float_frozen_by_the_capture_is_caught(monkeypatch):
     eager_model, eager_opt, model, optimizer = two_models(cfg, STEPS)
     expected = train(eager_model, eager_step(cfg, eager_model, eager_opt), STEPS)
     step = graphed_step(cfg, model, optimizer)
-    model.momentum_input = None  # the method computes a float on the host each step
+    model.use_momentum_input(None)  # the method computes a float on the host each step
     got = train(model, step, STEPS)
     assert step.captured
     with pytest.raises(AssertionError):
@@ -199,10 +199,9 @@ def test_an_unlogged_steps_operators_and_their_arguments_do_not_change_from_step
     cfg = tiny_config(**CONFIGS[name])
     model = build_model(cfg, 100, CPU).train()
     step = graphed_step(cfg, model, build_optimizer(model, cfg))
-    model.diagnose = False
     traces = []
     for i in (0, 1, 40, 90):
-        model.host_iteration = i
+        model.begin_step(False, i)
         inputs, static = step.write(*batch(i), 0.1 / (1 + i))  # in place, before the captured region
         assert static
         with OpTrace() as trace:
@@ -235,7 +234,8 @@ def storages(model, optimizer, step: GraphedStep) -> dict[str, int]:
 def test_every_tensor_of_the_step_keeps_its_storage(tmp_path):
     """Parameters, gradients, buffers, optimiser state, learning rate, momentum, inputs and host draws keep their
     memory from the first step on, across the warm-up, the capture, replays, logged steps and a checkpoint save."""
-    from obow.training.run.state import RunState, save_run
+    from obow.training.run.checkpoints import save_run
+    from obow.training.run.state import RunState
 
     cfg = tiny_config(model={"cutmix": True, "vocabulary": "kmeans", "rare_word_steps": 2})
     model = build_model(cfg, 20, CPU).train()
@@ -244,7 +244,7 @@ def test_every_tensor_of_the_step_keeps_its_storage(tmp_path):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     seen = None
     for i in range(12):
-        model.diagnose, model.host_iteration = i in (2, 7), i
+        model.begin_step(i in (2, 7), i)
         step(*batch(i), 0.01 * i)
         if i == 5:
             save_run(tmp_path, cfg, model, optimizer, scaler, RunState(iteration=i + 1))
@@ -366,7 +366,7 @@ def test_a_graphed_run_stopped_by_sigterm_resumes_to_the_uninterrupted_state(
     """SIGTERM after the 6th step (after the capture, between two replays): the run writes its checkpoint and
     stops; the same command resumes (a new capture) and ends in the uninterrupted graphed run's state."""
     from obow.training import loop
-    from obow.training.run.state import Interrupted
+    from obow.training.run.signals import Interrupted
 
     settings = run_settings(tmp_path, write_images)
     cfg = load_config(tiny_recipe, [*settings, "train.compile=graph"])

@@ -7,10 +7,10 @@ import torchvision
 from obow import cli
 from obow.config import ModelConfig
 from obow.methods.obow import OBoW
+from obow.methods.official import backbone_key, import_official
 from obow.show.words import load_level_vocabulary
 from obow.weights.checkpoint import load_checkpoint
 from obow.weights.load import load_backbone
-from obow.weights.official import backbone_key, import_official
 
 GENERATOR_NAMES = {
     "named": lambda i: {"fc1": f"b{i}_fc", "bn": f"b{i}_bn", "fc2": f"b{i}_last_layer"},

@@ -16,7 +16,7 @@ from PIL import Image
 from obow.config import from_dict, load_config
 from obow.config.schema import Config
 from obow.show.run_plots import panels_for, read_run, runs_figure
-from obow.training.run.state import SignalFlag
+from obow.training.run.signals import SignalFlag
 from obow.training.step.watch import CompileWatch
 
 ROOT = Path(__file__).parents[1]
@@ -175,7 +175,7 @@ logging.basicConfig(level=logging.INFO)
 from obow.config import from_dict
 from obow.config.schema import Config
 from obow.training.step.watch import CompileWatch
-from obow.training.run.state import SignalFlag
+from obow.training.run.signals import SignalFlag
 values = yaml.safe_load(sys.argv[1])
 values["train"]["compile"] = "step"
 step = torch.compile(lambda x: x * 2 + 1)

@@ -20,9 +20,9 @@ import torch
 from obow.cli import main
 from obow.config import ConfigError, load_config
 from obow.evaluate.linear import DIVERGED_ABOVE, divergence, stable_lr
-from obow.training import cost
-from obow.training.cost import SavedPeak, estimate_step
+from obow.training import cost, step_cost
 from obow.training.run.lock import LOCK_NAME, RunLock, still_at_path
+from obow.training.step_cost import SavedPeak, estimate_step
 from obow.weights.checkpoint import load_checkpoint
 
 
@@ -56,7 +56,7 @@ def test_the_estimate_is_what_a_real_step_of_the_batch_keeps(tiny_recipe):
     states, activations, seconds, _ = estimate_step(cfg, torch.device("cpu"))
     model = build_method(cfg, total_iterations=1000, resuming=True).train()
     model.diagnose = False
-    teacher, views = to_device(cost.probe_batch(cfg, 8), torch.device("cpu"), False)
+    teacher, views = to_device(step_cost.probe_batch(cfg, 8), torch.device("cpu"), False)
     with FlopCounterMode(display=False) as flops, SavedPeak().watching() as saved:
         forward_backward(model, teacher, views, None, precision_context("fp32", torch.device("cpu")), True)
     assert activations == saved.peak
@@ -88,7 +88,7 @@ def test_a_step_that_cannot_be_traced_is_measured_as_before(tiny_recipe, monkeyp
     def untraceable(*args, **kwargs):
         raise RuntimeError("Tensor.item() of a fake tensor")
 
-    monkeypatch.setattr(cost, "trace_step", untraceable)
+    monkeypatch.setattr(step_cost, "trace_step", untraceable)
     cfg = load_config(tiny_recipe, ["data.batch_size=8", "data.path=/unused", "train.precision=fp32"])
     with caplog.at_level("INFO", logger="obow"):
         states, activations, seconds, how = estimate_step(cfg, torch.device("cpu"))
@@ -103,6 +103,7 @@ def test_the_papers_recipe_on_small_images_is_refused_in_seconds_without_a_real_
     """``imagenet_resnet50_full`` on 300 small images took 749 s to refuse (three real ResNet-50 steps, the
     8192-word vocabularies and weight generator). Now the step is traced at its shapes: no real step is run."""
     monkeypatch.setattr(cost, "available_memory", lambda device: 8 << 30)
+    monkeypatch.setattr(step_cost, "measure_step", lambda *a: pytest.fail("a real step was measured on the CPU"))
     monkeypatch.setattr(cost, "measure_step", lambda *a: pytest.fail("a real step was measured on the CPU"))
     data = write_images(tmp_path / "data", per_class=150, size=8)
     out = tmp_path / "run"

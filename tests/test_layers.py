@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).parent.parent / "src" / "obow"
 #: (docs/development.md, "The package"). ``obow/__init__``, the facade that names the public objects and holds
 #: the version, stands outside them.
 FLOORS = (
-    ("checks", "files", "notices", "schedules", "distributed", "diagnostics", "graphs"),
+    ("checks", "files", "notices", "schedules", "distributed", "diagnostics", "graphs", "version"),
     ("backbones",),
     ("config",),
     ("bow", "data"),
@@ -27,10 +27,23 @@ FLOORS = (
     ("__main__",),
 )
 FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
-#: The imports that climb back up, each inside the one function that needs it: (file, module) -> why.
-CLIMBS = {
-    ("weights/official.py", "obow.methods.obow"): "an official full checkpoint becomes an OBoW model's state",
-}
+#: The package's face (``obow/__init__``): ``from obow import X`` of anything but a subpackage or module imports it.
+FACE = "obow"
+
+
+def face_floor(package: Path = PACKAGE) -> int:
+    """The face's floor: that of the highest module it names (``_EXPORTS``, ``_SUBMODULES``), whose names it
+    imports on first use."""
+    tree = ast.parse((package / "__init__.py").read_text())
+    named = [
+        value.value
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Dict)
+        for value in node.value.values
+        if isinstance(value, ast.Constant) and isinstance(value.value, str)
+    ]
+    assert named, "obow/__init__ names no module"
+    return max(FLOOR[room(module)] for module in named)
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -39,12 +52,14 @@ def imported_modules(path: Path) -> set[str]:
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # ``from obow import distributed`` imports the module obow.distributed
-            found.update(f"obow.{a.name}" for a in node.names if node.module == "obow" and a.name in FLOOR)
-            found.add(node.module)
+            # ``from obow import distributed`` imports the module obow.distributed; ``from obow import __version__``
+            # the face
+            found.update(f"obow.{a.name}" if a.name in FLOOR else FACE for a in node.names if node.module == "obow")
+            if node.module != "obow":
+                found.add(node.module)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-    return {m for m in found if m.startswith("obow.")}
+    return {m for m in found if m == FACE or m.startswith("obow.")}
 
 
 def room(path_or_module: str) -> str:
@@ -60,7 +75,7 @@ def import_graph(package: Path = PACKAGE) -> dict[tuple[str, str], list[str]]:
         if rel == "__init__.py":
             continue
         for module in sorted(imported_modules(path)):
-            if room(rel) != room(module) and (rel, module) not in CLIMBS:
+            if room(rel) != room(module):
                 arrows.setdefault((room(rel), room(module)), []).append(f"{rel} imports {module}")
     return arrows
 
@@ -107,7 +122,10 @@ def test_the_package_has_no_import_circle():
 
 
 def test_imports_go_down_the_floors():
-    climbs = [why for (a, b), why in import_graph().items() if FLOOR[a] <= FLOOR[b]]
+    """No import climbs, not even inside a function, nor to the package's face (``from obow import __version__``
+    imports everything the face names)."""
+    floor = {**FLOOR, FACE: face_floor()}
+    climbs = [why for (a, b), why in import_graph().items() if floor[a] <= floor[b]]
     assert not climbs, climbs
 
 
@@ -117,8 +135,16 @@ def test_the_checks_see_circles_and_imports_inside_functions(tmp_path):
     (tmp_path / "config" / "schema.py").write_text("from obow.methods import METHODS\n")
     (tmp_path / "methods" / "obow.py").write_text("def f():\n    from obow.config import ModelConfig\n")
     (tmp_path / "methods" / "rotnet.py").write_text("from obow import distributed as D\n")
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "export.py").write_text("from obow import __version__\n")
     arrows = import_graph(tmp_path)
-    assert set(arrows) == {("config", "methods"), ("methods", "config"), ("methods", "distributed")}
+    assert set(arrows) == {
+        ("config", "methods"),
+        ("methods", "config"),
+        ("methods", "distributed"),
+        ("weights", FACE),
+    }
+    assert face_floor() >= FLOOR["methods"] > FLOOR["weights"]  # the face import of weights climbs
     assert find_circle(arrows) in (["config", "methods", "config"], ["methods", "config", "methods"])
     assert find_circle({k: v for k, v in arrows.items() if k != ("config", "methods")}) is None
 
@@ -142,10 +168,26 @@ TRAINING = PACKAGE / "training"
 #: ``build_step``), the parts the loop is built from, the loop. A module imports only from floors below its own,
 #: except the run's modules, which import one another (without a circle).
 TRAINING_FLOORS = (
-    ("run", "run.state", "run.lock", "run.logger", "run.guards", "run.settle", "run.threads", "run.precision"),
+    (
+        "run",
+        "run.state",
+        "run.signals",
+        "run.random_states",
+        "run.folder",
+        "run.settings_check",
+        "run.data_check",
+        "run.checkpoints",
+        "run.lock",
+        "run.logger",
+        "run.guards",
+        "run.settle",
+        "run.threads",
+        "run.precision",
+    ),
     ("step.shared",),
     ("step.eager", "step.compiled", "step.graphed", "step.watch"),
     ("step",),
+    ("step_cost",),
     ("build", "cost"),
     ("loop",),
 )
@@ -246,3 +288,74 @@ def test_every_training_module_imports_first_in_a_fresh_process():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == str(len(modules) + 2)
+
+
+# ------------------------------------------------------------- the training loop and the model: Method's calls only
+
+
+def names_a_model(node: ast.expr) -> bool:
+    """Whether ``node`` names a model: ``model``, ``step_model``, ``run.model``, ``self.model``, ..."""
+    if isinstance(node, ast.Name):
+        return node.id.endswith("model")
+    return isinstance(node, ast.Attribute) and node.attr.endswith("model")
+
+
+def model_pokes(source: str) -> list[str]:
+    """The lines of ``source`` that set, delete or probe an attribute of a model (``model.x = ...``,
+    ``getattr(model, ...)``, ``hasattr``, ``setattr``, ``delattr``) rather than call what the method contract
+    (``obow.methods.base.Method``) offers."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = list(node.targets)
+        while any(isinstance(t, (ast.Tuple, ast.List)) for t in targets):
+            targets = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
+        if any(isinstance(t, ast.Attribute) and names_a_model(t.value) for t in targets):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and node.args
+            and names_a_model(node.args[0])
+        ):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_training_sets_and_probes_nothing_on_the_model():
+    """What a step needs from the loop goes through ``Method.begin_step``, a method's own count through
+    ``Method.realign_iteration``, a compiled step's tensors through ``use_momentum_input`` and
+    ``write_host_inputs``: nothing in obow.training sets an attribute on a model or probes one."""
+    pokes = {
+        path.relative_to(PACKAGE).as_posix(): found
+        for path in sorted(TRAINING.rglob("*.py"))
+        if (found := model_pokes(path.read_text()))
+    }
+    assert not pokes, pokes
+
+
+def test_the_poke_check_sees_sets_and_probes():
+    source = (
+        "def f(run, model, self):\n"
+        "    run.model.diagnose = True\n"
+        "    model.a, model.b = 1, 2\n"
+        "    self.model.c += 1\n"
+        "    buffer = getattr(model, 'iteration', None)\n"
+        "    hasattr(run.step_model, 'x')\n"
+        "    model.begin_step(True, 3)\n"
+        "    x = model.student\n"
+        "    getattr(record, 'shape')\n"
+    )
+    assert [line.split(":")[0] for line in model_pokes(source)] == [f"line {n}" for n in (2, 3, 4, 5, 6)]
+
+
+def test_no_training_file_is_over_400_lines():
+    lines = {p.relative_to(PACKAGE).as_posix(): len(p.read_text().splitlines()) for p in TRAINING.rglob("*.py")}
+    long = {name: n for name, n in lines.items() if n > 400}
+    assert not long, long

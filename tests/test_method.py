@@ -146,18 +146,18 @@ def test_momentum_schedule_end_points_and_iteration_counter():
 
 
 def test_the_momentum_follows_the_loops_iteration_and_a_wrong_one_is_caught_on_a_diagnosed_step():
-    """``host_iteration`` (the training loop's count) spares every step a read of the device; the steps that
-    compute diagnostics compare it with the model's ``iteration`` buffer."""
+    """The iteration the training loop gives (``begin_step``) spares every step a read of the device; the steps that
+    compute diagnostics compare it with the model's ``iteration`` buffer, which ``realign_iteration`` sets."""
     model = tiny_model(total_iterations=4).train()
-    model.host_iteration = 0
+    model.begin_step(True, 0)
     assert model.current_momentum() == teacher_momentum(0, 4)
-    model.iteration.fill_(2)
-    model.host_iteration = 2
+    model.realign_iteration(2)
+    assert int(model.iteration) == 2
+    model.begin_step(True, 2)
     assert model.current_momentum() == teacher_momentum(2, 4)
-    model.host_iteration = 3
-    model.diagnose = False  # unchecked: the schedule at the loop's count
+    model.begin_step(False, 3)  # unchecked: the schedule at the loop's count
     assert model.current_momentum() == teacher_momentum(3, 4)
-    model.diagnose = True
+    model.begin_step(True, 3)
     with pytest.raises(RuntimeError, match="host_iteration 3 is not the model's iteration 2"):
         model(*tiny_batch())
 
@@ -285,7 +285,7 @@ def test_an_undiagnosed_step_leaves_out_the_diagnostics_and_changes_nothing_else
     teacher, crops = tiny_batch()
     a = tiny_model(vocabulary=vocabulary).train()
     b = copy.deepcopy(a)
-    b.diagnose = False
+    b.begin_step(logged=False)
     runs = []
     for model in (a, b):
         torch.manual_seed(1)  # the queue's random locations

@@ -25,8 +25,9 @@ from obow.methods.mocov2 import MoCoV2, auto_bn_splits, check_bn_splits, info_nc
 from obow.methods.split_batchnorm import SplitBatchNorm2d
 from obow.training import build as build_module
 from obow.training.build import synchronises_batchnorm
+from obow.training.run.settings_check import check_same_run
 from obow.training.run.settle import settle_bn_splits
-from obow.training.run.state import RunError, check_same_run
+from obow.training.run.state import RunError
 from obow.weights.checkpoint import load_checkpoint
 from obow.weights.load import load_backbone
 

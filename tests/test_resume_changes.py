@@ -103,6 +103,41 @@ def test_data_on_change_continue_goes_on_with_the_new_images_and_the_new_steps_p
 
 
 @pytest.mark.slow
+def test_a_continuing_run_killed_before_its_checkpoint_leaves_the_refusal_naming_what_changed(
+    tmp_path, tiny_recipe, obow_cli
+):
+    """``data.on_change=continue`` on 8 added images, kill -9 before that run's first checkpoint, then the plain
+    command: refused, naming the 8 images (the list was rewritten when the continuing run started, and the refusal
+    said only ``88 images now, 80 then``); the continuing run's list is adopted with its checkpoint."""
+    data, out = write_class_images(tmp_path / "data", per_class=40), tmp_path / "run"  # 80 images: 10 steps
+    obow_cli(*pretrain(tiny_recipe, data, out, "optim.epochs=1"))
+    for i in range(8):
+        shutil.copy(data / "class0" / "000.png", data / "class0" / f"new{i:03d}.png")
+    args = pretrain(tiny_recipe, data, out, "optim.epochs=2", "data.on_change=continue", "train.checkpoint_minutes=0")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "obow.cli", *map(str, args)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 240
+    # the first step on the 88 images: the plan counts epoch 1 as 11 steps now, so epoch 2 runs iterations 12-22
+    while '"iteration": 12' not in (out / "log.jsonl").read_text():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.time() < deadline, "iteration 12 was not logged in time"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    from obow.weights.checkpoint import load_checkpoint
+
+    assert load_checkpoint(out / "checkpoint.pt")["iteration"] == 10  # killed before the continuing run's checkpoint
+    line = error_line(obow_cli(*pretrain(tiny_recipe, data, out, "optim.epochs=2"), check=False))
+    assert "8 images added (e.g. class0/new000.png)" in line, line
+    # continued again, to its checkpoint: the new list is in place with it, the one before kept beside it
+    obow_cli(*pretrain(tiny_recipe, data, out, "optim.epochs=2", "data.on_change=continue"))
+    with gzip.open(out / "images.tsv.gz", "rt") as f, gzip.open(out / "images.prev.tsv.gz", "rt") as g:
+        assert (len(f.read().splitlines()), len(g.read().splitlines())) == (88, 80)
+    assert not (out / "images.next.tsv.gz").exists()
+
+
+@pytest.mark.slow
 def test_continuing_mid_epoch_on_fewer_images_ends_the_shorter_epoch_at_once(tmp_path, tiny_recipe, obow_cli):
     """A checkpoint at batch 2 of 3, resumed on 8 images (1 step an epoch): the epoch under way is past its new end,
     so it ends there (its record over the steps it had), and the next epoch has the one step."""
@@ -181,7 +216,8 @@ def test_a_checkpoint_holding_the_warm_up_obow_shortened_is_compared_with_what_w
     """Checkpoints written before the fix hold the shortened warm-up (half their epochs); the user's own value
     asked again is not a change of settings, while another warm-up of a run that was long enough still is."""
     from obow.config import Config, OptimConfig, to_dict
-    from obow.training.run.state import RunError, check_same_run
+    from obow.training.run.settings_check import check_same_run
+    from obow.training.run.state import RunError
 
     def cfg(epochs, warmup):
         return Config(optim=OptimConfig(epochs=epochs, warmup_epochs=warmup))
@@ -245,7 +281,8 @@ def test_what_a_resume_says_of_its_images_when_the_list_or_the_record_is_missing
     from obow.config import Config, DataConfig, to_dict
     from obow.data.folders import scan_images
     from obow.data.identity import identify
-    from obow.training.run.state import RunError, check_same_data
+    from obow.training.run.data_check import check_same_data
+    from obow.training.run.state import RunError
 
     def cfg(path, **data):
         return Config(data=DataConfig(path=str(path), batch_size=4, **data))
@@ -307,7 +344,7 @@ def test_a_run_killed_before_its_first_checkpoint_leaves_no_log_to_the_next_one(
 
 
 def test_logs_are_set_aside_only_for_a_new_run(tmp_path):
-    from obow.training.run.state import set_aside_attempt
+    from obow.training.run.folder import set_aside_attempt
 
     out = tmp_path / "run"
     set_aside_attempt(out)  # no folder: nothing to do

@@ -26,9 +26,11 @@ from test_run_safety import ENV, STEPS_PER_EPOCH, pretrain_args, read_log, setup
 from obow.config import ConfigError, load_config
 from obow.diagnostics import effective_rank, feature_diagnostics
 from obow.training import cost as budget_check
-from obow.training.cost import SavedPeak, check_view_sizes, judge, measure_step
+from obow.training.cost import check_view_sizes, judge
 from obow.training.run.guards import COLLAPSED_RANK, RunGuard
-from obow.training.run.state import SAME_REQUEST_SECONDS, RunError, handle_signals
+from obow.training.run.signals import SAME_REQUEST_SECONDS, handle_signals
+from obow.training.run.state import RunError
+from obow.training.step_cost import SavedPeak, measure_step, probe_batch
 from obow.weights.checkpoint import load_checkpoint
 
 __all__ = ["setup"]  # the module-scoped fixture of test_run_safety: its recipe and images
@@ -78,8 +80,8 @@ def test_the_cost_measured_on_small_steps_extrapolates_to_the_batch(tiny_recipe)
     from obow.training.step.shared import forward_backward, to_device
 
     model = build_method(cfg, total_iterations=1000, resuming=True).train()
-    model.diagnose = False
-    teacher, views = to_device(budget_check.probe_batch(cfg, 8), torch.device("cpu"), False)
+    model.begin_step(logged=False)
+    teacher, views = to_device(probe_batch(cfg, 8), torch.device("cpu"), False)
     with SavedPeak().watching() as saved:
         forward_backward(model, teacher, views, None, precision_context("fp32", torch.device("cpu")), True)
     assert activations == pytest.approx(saved.peak, rel=0.05)

@@ -32,14 +32,9 @@ from obow.config import load_config, to_dict
 from obow.files import WriteError, write_failure_cause
 from obow.training.run import lock as lock_module
 from obow.training.run.lock import LOCK_NAME, FolderInUse, RunLock
-from obow.training.run.state import (
-    RESUMABLE_CHANGES,
-    SAME_REQUEST_SECONDS,
-    check_same_run,
-    get_rng_state,
-    handle_signals,
-    set_rng_state,
-)
+from obow.training.run.random_states import get_rng_state, set_rng_state
+from obow.training.run.settings_check import RESUMABLE_CHANGES, check_same_run
+from obow.training.run.signals import SAME_REQUEST_SECONDS, handle_signals
 from obow.weights.checkpoint import load_checkpoint, previous_path, save_atomic
 
 V1_CHECKPOINT = Path(__file__).parent / "data" / "v1_run" / "checkpoint_epoch1.pt"

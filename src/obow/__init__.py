@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from obow.version import __version__ as __version__
 
 #: Public names and the module that defines each. They are imported on first use, so that ``import obow``
 #: (and the ``obow`` command's parser, which ``obow --help`` builds) does not pay for PyTorch.

@@ -325,7 +325,7 @@ def finished_read_only(cfg: Any, out: Path) -> dict[str, Any] | None:
     command ends as it does for a finished run. ``None`` otherwise (the run is trained, or refused, as usual)."""
     from obow.config import from_dict, to_dict
     from obow.config.schema import Config
-    from obow.training.run.state import check_same_run
+    from obow.training.run.settings_check import check_same_run
     from obow.weights.checkpoint import load_checkpoint
 
     path = out / "checkpoint.pt"

@@ -73,7 +73,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_import(args: argparse.Namespace) -> int:
     """``obow import-official``: convert, then say what was written and what it can be used for."""
-    from obow.weights.official import import_official
+    from obow.methods.official import import_official
 
     summary = import_official(args.file, args.out, arch=args.arch, delta_base=args.delta_base)
     if summary["kind"] == "full":

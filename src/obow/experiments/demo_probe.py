@@ -117,9 +117,9 @@ def probe(cfg: Config, device: torch.device, recipe: str, precision: str, steps:
     import torch
 
     from obow.methods import build_method
-    from obow.training.cost import probe_batch
     from obow.training.run.precision import precision_context
     from obow.training.step.shared import forward_backward, to_device
+    from obow.training.step_cost import probe_batch
 
     rng = torch.random.get_rng_state()
     try:

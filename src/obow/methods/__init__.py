@@ -14,7 +14,8 @@ method      module                                  paper
 Every method subclasses :class:`obow.methods.base.Method`: the contract between a method and the training loop
 (:func:`obow.training.loop.pretrain`) is written there once, with the pieces the methods share. The
 ``model.method`` values and the other choices of the methods' settings are declared in
-:mod:`obow.config.choices`.
+:mod:`obow.config.choices`. The authors' released checkpoints become obow ones in :mod:`obow.methods.official`
+(``obow import-official``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ A method is an ``nn.Module`` (a subclass of :class:`Method`) with
   host, which those steps draw before the step and write into :attr:`~Method.host_inputs`);
 * :attr:`~Method.supports_groups`: whether :meth:`~Method.forward` may be called one view group at a time
   (``group=0, 1, ...``), so that the loop back-propagates each group before building the next;
+* :meth:`~Method.begin_step`: what a step needs from the training loop, told before each step (whether it is
+  logged, its iteration); :meth:`~Method.realign_iteration`: the method's own count of steps set where a resumed
+  run counts them otherwise. The training loop talks to a method through its calls only (these, and
+  :meth:`~Method.use_momentum_input`, :meth:`~Method.write_host_inputs`, :meth:`~Method.synchronise_batchnorm`):
+  it sets and probes none of its attributes (``tests/test_layers.py``);
 * :meth:`~Method.prepare`: work done once before the first step of a new run (not on resumption: what it
   computes must live in the ``state_dict``), e.g. BoWNet's off-line k-means; nothing by default;
 * :meth:`~Method.forward` ``(teacher_images, student_views, group=None, grad_scale=1.0)`` returning a
@@ -27,6 +32,7 @@ computed group by group (:meth:`Method.grouped_step`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -112,6 +118,11 @@ def check_views(teacher_images: Tensor, student_views: Sequence[Tensor]) -> list
     return groups
 
 
+def tensor_shapes(record: Any) -> list[torch.Size]:
+    """The shapes of a dataclass of tensors (a method's host inputs)."""
+    return [getattr(record, f.name).shape for f in dataclasses.fields(record)]
+
+
 def group_weight(n: int, groups: Sequence[Tensor], loss_weighting: str) -> float:
     """The weight of a group of ``n`` views' mean loss: 1 (``group_sum``, official: the groups' means are
     summed) or ``n / all views`` (``view_mean``: a mean over every view)."""
@@ -135,21 +146,60 @@ class Method(nn.Module):
         super().__init__()
         self._pending: dict | None = None  # the shared side of a step computed group by group
         #: Compute the step's diagnostics: collapse and prediction (:mod:`obow.diagnostics`), and OBoW's targets'
-        #: and prediction weights'. The training loop sets it on the steps it logs only: the effective rank's
-        #: float64 SVD took 59 of a 101 ms GPU step, and each of the others is a few more kernel launches.
+        #: and prediction weights'. :meth:`begin_step` sets it (the training loop: on the steps it logs only; the
+        #: effective rank's float64 SVD took 59 of a 101 ms GPU step, and each of the others is a few more kernel
+        #: launches).
         self.diagnose = True
-        #: The iteration of the step about to run, as the training loop counts it (equal to the ``iteration``
-        #: buffer of the methods that keep one), so that a schedule read on every step does not read the device
-        #: (a synchronisation on a GPU); ``None``: read the buffer.
+        #: The iteration of the step about to run, as the training loop counts it (:meth:`begin_step`; equal to the
+        #: ``iteration`` buffer of the methods that keep one), so that a schedule read on every step does not read
+        #: the device (a synchronisation on a GPU); ``None``: read the buffer.
         self.host_iteration: int | None = None
-        #: The momentum of the step about to run as a 0-d float64 tensor, written in place by a compiled step
-        #: (:mod:`obow.training.step.compiled`) so that a changing value is neither a host value nor a recompilation;
+        #: The momentum of the step about to run as a 0-d float64 tensor, written in place by a compiled or graphed
+        #: step (:meth:`use_momentum_input`) so that a changing value is neither a host value nor a recompilation;
         #: ``None``: the method computes it on the host.
         self.momentum_input: Tensor | None = None
         #: The random numbers of the step about to run that the method draws on the host
-        #: (:meth:`draw_host_inputs`), on the device, written in place by a compiled or graphed step before each
-        #: step; ``None``: the step draws them itself.
+        #: (:meth:`draw_host_inputs`), on the device, written in place before each step of a compiled or graphed
+        #: step (:meth:`write_host_inputs`); ``None``: the step draws them itself.
         self.host_inputs: Any = None
+
+    def begin_step(self, logged: bool, iteration: int | None = None) -> None:
+        """What the step about to run needs from the training loop, told before each step, whatever mode runs it
+        (eager, compiled, graphed: :mod:`obow.training.step`): whether it is ``logged`` (it computes the
+        diagnostics, :attr:`diagnose`) and its ``iteration`` (the steps done so far, as the loop counts them,
+        :attr:`host_iteration`; ``None``: the method reads its own count)."""
+        self.diagnose = logged
+        self.host_iteration = iteration
+
+    def realign_iteration(self, iteration: int) -> None:
+        """Count the steps done as ``iteration``, where a resumed run's plan counts them otherwise than its
+        checkpoint did (its steps per epoch changed with its images, ``data.on_change: continue``). The methods
+        that keep an ``iteration`` buffer set it; nothing by default."""
+
+    def synchronise_batchnorm(self) -> None:
+        """The student's and the teacher's batch norm layers made ``SyncBatchNorm``: statistics over the batches of
+        every process (``train.sync_batchnorm`` on several GPUs)."""
+        self.student = nn.SyncBatchNorm.convert_sync_batchnorm(self.student)
+        if self.teacher is not None:
+            self.teacher = nn.SyncBatchNorm.convert_sync_batchnorm(self.teacher)
+
+    def use_momentum_input(self, momentum: Tensor | None) -> None:
+        """Read the teacher's momentum from the 0-d float64 tensor ``momentum`` (:attr:`momentum_input`), which a
+        compiled or graphed step writes in place before each step; ``None``: compute it on the host."""
+        self.momentum_input = momentum
+
+    def write_host_inputs(self, student_views: Sequence[Tensor], device: torch.device) -> None:
+        """Draw the host-drawn random numbers of the step about to run (:meth:`draw_host_inputs`: the same generator
+        and order as the eager step) and write them into :attr:`host_inputs`, the tensors a compiled or graphed
+        step reads (in place once they exist: a graph keeps reading the same memory)."""
+        draws = self.draw_host_inputs(student_views)
+        if draws is None:
+            return
+        held = self.host_inputs
+        if held is None or tensor_shapes(held) != tensor_shapes(draws):
+            self.host_inputs = draws.to(device)
+        else:
+            held.copy_(draws, non_blocking=True)
 
     def current_momentum(self) -> float:
         """The teacher's momentum for the step about to run, computed on the host (a compiled or graphed step

@@ -237,6 +237,11 @@ class MoCoV2(Method):
             bn_splits=splits,
         )
 
+    def realign_iteration(self, iteration: int) -> None:
+        """The ``iteration`` buffer (the steps done) set to ``iteration`` (:meth:`Method.realign_iteration
+        <obow.methods.base.Method.realign_iteration>`)."""
+        self.iteration.fill_(iteration)
+
     def current_momentum(self) -> float:
         """The key encoder's momentum for the step about to run: ``key_momentum``, constant (MoCo v2). A compiled
         step (:mod:`obow.training.step.compiled`) writes it into :attr:`~obow.methods.base.Method.momentum_input`."""

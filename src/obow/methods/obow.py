@@ -112,9 +112,15 @@ class OBoW(Method):
             cutmix=cfg.cutmix,
         )
 
+    def realign_iteration(self, iteration: int) -> None:
+        """The ``iteration`` buffer (the steps done) set to ``iteration`` (:meth:`Method.realign_iteration
+        <obow.methods.base.Method.realign_iteration>`)."""
+        self.iteration.fill_(iteration)
+
     def current_momentum(self) -> float:
-        """``alpha`` for the step about to run, at :attr:`host_iteration` when the loop gives it (checked against
-        the ``iteration`` buffer on the steps that compute diagnostics, which read the device anyway)."""
+        """``alpha`` for the step about to run, at :attr:`host_iteration` when the loop gives it (:meth:`begin_step`;
+        checked against the ``iteration`` buffer on the steps that compute diagnostics, which read the device
+        anyway)."""
         iteration = self.host_iteration
         if iteration is None:
             iteration = int(self.iteration)

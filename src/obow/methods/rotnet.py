@@ -61,6 +61,11 @@ class RotNet(Method):
         m = cfg.model
         return cls(build_backbone(m.arch, m.stem, m.arch_options), total_iterations=total_iterations)
 
+    def realign_iteration(self, iteration: int) -> None:
+        """The ``iteration`` buffer (the steps done) set to ``iteration`` (:meth:`Method.realign_iteration
+        <obow.methods.base.Method.realign_iteration>`)."""
+        self.iteration.fill_(iteration)
+
     def forward(
         self,
         teacher_images: Tensor,

@@ -159,9 +159,7 @@ def build_model(cfg: Config, total_iterations: int, device: torch.device, resumi
     torch.manual_seed(cfg.train.seed)
     model = build_method(cfg, total_iterations, resuming=resuming)
     if synchronises_batchnorm(cfg, device):
-        model.student = nn.SyncBatchNorm.convert_sync_batchnorm(model.student)
-        if model.teacher is not None:
-            model.teacher = nn.SyncBatchNorm.convert_sync_batchnorm(model.teacher)
+        model.synchronise_batchnorm()
     model.to(device)
     if cfg.train.channels_last:
         model.to(memory_format=torch.channels_last)

@@ -2,7 +2,7 @@
 
 :func:`pretrain` sets up the run (processes, device, data, method, optimiser), takes the run folder's lock
 (:mod:`obow.training.run.lock`: one writer at a time), resumes from ``<out>/checkpoint.pt`` when there is one
-(:mod:`obow.training.run.state`), then calls :func:`train_one_epoch` until the recipe's epochs are done. One step
+(:mod:`obow.training.run.checkpoints`), then calls :func:`train_one_epoch` until the recipe's epochs are done. One step
 (:func:`train_step`): the learning rate of the iteration, the method's forward pass (for OBoW: teacher EMA,
 BoW targets, vocabulary update, student loss; see :mod:`obow.methods.base` for the contract every method
 meets), backward, SGD step, run by the step ``train.compile`` chose (eager, compiled or graphed:
@@ -11,13 +11,14 @@ meets), backward, SGD step, run by the step ``train.compile`` chose (eager, comp
 Checkpoints are written only between two steps (:class:`StepBoundary`), so that each one is a state an
 uninterrupted run also passes through: at every epoch end, every ``train.checkpoint_every`` steps, every
 ``train.checkpoint_minutes`` of training (so that a hard kill loses at most that much), and after SIGINT,
-SIGTERM or SIGHUP, which let the step under way finish, write the checkpoint and stop (:class:`Interrupted`); a step
+SIGTERM or SIGHUP, which let the step under way finish, write the checkpoint and stop (:class:`Interrupted`,
+:mod:`obow.training.run.signals`); a step
 that compiles (``train.compile``) stops at once instead, keeping nothing (:mod:`obow.training.step.watch`).
 
 A run is settled, built, then trained: its ``auto`` settings and threads resolved once
 (:mod:`obow.training.run.settle`), then what it is built from (process, device, data, method, optimiser):
 :mod:`obow.training.build`; its arithmetic: :mod:`obow.training.run.precision`. Files in ``<out>``:
-:mod:`obow.training.run.state`; logs: :mod:`obow.training.run.logger`. What it will cost is said (and a run that cannot
+:mod:`obow.training.run.folder`; logs: :mod:`obow.training.run.logger`. What it will cost is said (and a run that cannot
 fit refused) before its first step: :mod:`obow.training.cost`; a diverging run stops before a checkpoint
 keeps it, a collapse is warned about: :mod:`obow.training.run.guards`.
 """
@@ -50,23 +51,14 @@ from obow.training.build import (
     setup_process,
 )
 from obow.training.cost import check_budget, check_view_sizes, out_of_memory
+from obow.training.run.checkpoints import save_run, start_or_resume
+from obow.training.run.folder import check_inputs, check_out_outside_data, open_run
 from obow.training.run.guards import RunGuard, kept_checkpoint
 from obow.training.run.lock import RunLock
 from obow.training.run.logger import RunLogger, log_interval, log_main, logged_step, logged_steps
 from obow.training.run.settle import SettledRun, settle_run
-from obow.training.run.state import (
-    Interrupted,
-    RunError,
-    RunState,
-    SignalFlag,
-    check_inputs,
-    check_out_outside_data,
-    handle_signals,
-    open_run,
-    save_run,
-    start_or_resume,
-    summary,
-)
+from obow.training.run.signals import Interrupted, SignalFlag, handle_signals
+from obow.training.run.state import RunError, RunState, summary
 from obow.training.run.threads import chosen_threads
 from obow.training.step import TrainingStep, build_step, check_step_mode
 from obow.training.step.shared import to_device
@@ -320,8 +312,7 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
             cosine_per_epoch=cfg.optim.cosine_per_epoch,
         )
         logged = logged_step(state.iteration + 1, interval, state.batch_in_epoch + 1 == run.iters_per_epoch)
-        run.model.diagnose = logged
-        run.model.host_iteration = state.iteration  # the model's iteration, counted here: no read of the device's
+        run.model.begin_step(logged, state.iteration)  # the model's iteration, counted here: no read of the device's
         assert run.watch is not None  # pretrain sets it
         with run.watch.step(state.iteration + 1):
             metrics = train_step(run, batch["image"], lr)

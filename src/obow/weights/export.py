@@ -43,11 +43,11 @@ import torch
 import torchvision
 from torch import Tensor
 
-from obow import __version__
 from obow.backbones import Backbone, ResNetBackbone, TimmBackbone, TorchvisionBackbone, parse_arch
 from obow.checks import check_choice
 from obow.files import writing
 from obow.notices import ObowWarning
+from obow.version import __version__
 from obow.weights.checkpoint import save_atomic
 from obow.weights.load import SAFETENSORS_META_KEY, SAFETENSORS_SUFFIX, load_backbone
 

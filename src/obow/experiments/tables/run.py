@@ -327,7 +327,7 @@ def run_in_order(tasks: list[Task], body: Callable[[Task], Any], finished: Calla
     :class:`~obow.training.loop.Interrupted`, and no later task starts: the finished tasks' results are kept, as
     is a trained row's complete checkpoint, which the same command then evaluates without training again."""
     from obow.training.loop import Interrupted
-    from obow.training.run.state import STOP_SIGNALS, nohup
+    from obow.training.run.signals import STOP_SIGNALS, nohup
 
     def stop(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
@@ -387,7 +387,7 @@ def run_in_processes(
     import multiprocessing.connection
 
     from obow.training.loop import Interrupted
-    from obow.training.run.state import STOP_SIGNALS, nohup
+    from obow.training.run.signals import STOP_SIGNALS, nohup
 
     context = multiprocessing.get_context("spawn")
     pending = list(tasks)

@@ -1,7 +1,7 @@
 """A run's settings made concrete, once, before anything is built: settle -> build -> train.
 
 :func:`settle_run` takes the recipe as asked and the device the process computes on, reads the configuration
-the run started with when it is being resumed (:func:`obow.training.run.state.started_config`), and resolves what
+the run started with when it is being resumed (:func:`obow.training.run.folder.started_config`), and resolves what
 the recipe leaves to the machine: ``train.precision: auto`` (:func:`settle_precision`), ``data.pipeline: auto``
 (:func:`settle_pipeline`) and the threads of a training process (:func:`obow.training.run.threads.choose_threads`).
 A resumed run keeps what it started with. The :class:`SettledRun` it returns is what
@@ -23,8 +23,9 @@ from obow.config import Config
 from obow.config.choices import PIPELINES, PRECISIONS
 from obow.schedules import run_warmup
 from obow.training.run import precision as prec
+from obow.training.run.folder import started_config
 from obow.training.run.logger import log_main
-from obow.training.run.state import as_it_ran, started_config
+from obow.training.run.settings_check import as_it_ran
 from obow.training.run.threads import choose_threads
 
 __all__ = ["SettledRun", "resolve_pipeline", "settle_pipeline", "settle_precision", "settle_run", "started_precision"]
@@ -58,7 +59,7 @@ def settle_run(cfg: Config, out: Path, device: torch.device) -> SettledRun:
 
 def settle_precision(cfg: Config, device: torch.device, started_with: dict[str, Any] | None) -> Config:
     """``cfg`` with ``train.precision: auto`` made concrete for a run: a run being resumed keeps the precision it
-    started with (``started_with``, the configuration :func:`obow.training.run.state.started_config` reads; a resume
+    started with (``started_with``, the configuration :func:`obow.training.run.folder.started_config` reads; a resume
     on another machine computes as the run did, exactly), a new run (``None``) takes
     :func:`~obow.training.run.precision.resolve_precision`'s choice for ``device``. Every other ``cfg`` is returned as
     it is. ``config.yaml`` and the checkpoint then hold the concrete value."""
@@ -125,7 +126,7 @@ def settle_pipeline(cfg: Config, device: torch.device, started_with: dict[str, A
 
 def settle_bn_splits(cfg: Config, started_with: dict[str, Any] | None) -> Config:
     """``cfg`` with a MoCo v2 run's ``moco.bn_splits: null`` made concrete: a run being resumed keeps what it started
-    with (``started_with``, :func:`obow.training.run.state.started_config`'s; a run started before the setting existed
+    with (``started_with``, :func:`obow.training.run.folder.started_config`'s; a run started before the setting existed
     trained with plain batch norm and keeps ``1``: changing it half-way would change the method), a new run takes
     :func:`~obow.methods.mocov2.auto_bn_splits` of its per-process batch. ``config.yaml`` and the checkpoint then
     hold it. Other methods, and a value given, are left as they are."""

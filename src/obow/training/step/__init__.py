@@ -2,8 +2,8 @@
 
 Every step has the same call, ``metrics = step(teacher_images, student_views, lr)``: one optimiser step at learning
 rate ``lr`` on a batch already on the device, returning the step's detached metrics (device tensors, ``"loss"``
-among them). The loop sets the model's ``diagnose`` (a logged step computes the collapse diagnostics) and
-``host_iteration`` before each call and does not know which step it calls:
+among them). Before each call the loop tells the model what the step needs from it (``model.begin_step(logged,
+iteration)``: a logged step computes the collapse diagnostics) and does not know which step it calls:
 
 * :class:`EagerStep` (``train.compile: off`` and ``networks``, :mod:`~obow.training.step.eager`): PyTorch's eager
   execution, fused SGD with a float learning rate, fp16's gradient scaler when asked, several processes
@@ -16,13 +16,14 @@ among them). The loop sets the model's ``diagnose`` (a logged step computes the 
 What a method must offer for the last two is part of the method contract (:mod:`obow.methods.base`):
 ``step`` and ``graph`` in its :attr:`~obow.methods.base.Method.step_modes`, its teacher momentum on the host
 (:meth:`~obow.methods.base.Method.current_momentum`) and its host-drawn random numbers
-(:meth:`~obow.methods.base.Method.draw_host_inputs`). :func:`check_step_mode` refuses, in one line, a mode a
+(:meth:`~obow.methods.base.Method.draw_host_inputs`, written where the step reads them by
+:meth:`~obow.methods.base.Method.write_host_inputs`). :func:`check_step_mode` refuses, in one line, a mode a
 run cannot use, before its folder is made.
 
 The package, read top to bottom: this module (the step's call, the check, :func:`build_step`); a module per mode
 (:mod:`~obow.training.step.eager`, :mod:`~obow.training.step.compiled`, :mod:`~obow.training.step.graphed`);
-beneath them what they share (:mod:`~obow.training.step.shared`: the forward and backward pass, the host-drawn
-inputs, the optimiser as a step wants it), which imports no mode; and beside them the watch over a step that
+beneath them what they share (:mod:`~obow.training.step.shared`: the forward and backward pass, the batch on
+the device, the optimiser as a step wants it), which imports no mode; and beside them the watch over a step that
 compiles (:mod:`~obow.training.step.watch`).
 """
 

@@ -69,7 +69,7 @@ from torch import Tensor
 
 from obow.methods import base
 from obow.methods.base import Method
-from obow.training.step.shared import configure_optimizer, start_momentum_buffers, write_host_inputs
+from obow.training.step.shared import configure_optimizer, start_momentum_buffers
 
 __all__ = [
     "CompiledStep",
@@ -171,7 +171,7 @@ class CompiledStep:
         self.lr = cast(Tensor, configure_optimizer(optimizer, step=True))  # step=True: the 0-d learning rate
         device = self.lr.device
         self.momentum = torch.zeros((), dtype=torch.float64, device=device)
-        model.momentum_input = self.momentum
+        model.use_momentum_input(self.momentum)
         if base.FOREACH_TENSOR_LERP and not lerps_as_eager():
             log.warning(
                 "train.compile=step: torch %s's Dynamo rounds torch._foreach_lerp_ with a tensor weight otherwise "
@@ -192,8 +192,8 @@ class CompiledStep:
     def __call__(self, teacher_images: Tensor, student_views: list[Tensor], lr: float) -> dict[str, Tensor]:
         """One step at learning rate ``lr``; returns its detached metrics (device tensors)."""
         self.lr.fill_(lr)
-        self.momentum.fill_(self.model.current_momentum())  # from host_iteration: no read of the device
-        write_host_inputs(self.model, student_views, self.lr.device)
+        self.momentum.fill_(self.model.current_momentum())  # at the iteration begin_step gave: no read of the device
+        self.model.write_host_inputs(student_views, self.lr.device)
         self.optimizer.zero_grad(set_to_none=True)
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()  # a new step: the previous one's outputs are done with

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from obow.graphs import CaptureError, CudaStepGraph, StepGraph, TapeGraph
 from obow.methods.base import Method
-from obow.training.step.shared import configure_optimizer, start_momentum_buffers, write_host_inputs
+from obow.training.step.shared import configure_optimizer, start_momentum_buffers
 
 __all__ = [
     "WARMUP_STEPS",
@@ -109,7 +109,7 @@ class GraphedStep:
         self.forward_backward = forward_backward
         self.lr = cast(Tensor, configure_optimizer(optimizer, step=True, graph=True))  # step=True: the 0-d lr
         self.momentum = torch.zeros((), dtype=torch.float64, device=self.lr.device)
-        model.momentum_input = self.momentum
+        model.use_momentum_input(self.momentum)
         start_momentum_buffers(optimizer)  # the first step's graph is every later one's
         self.graph = graph()
         self.warmup_left = warmup_steps
@@ -143,8 +143,8 @@ class GraphedStep:
         host-drawn random numbers."""
         inputs, static = self._write_inputs(teacher_images, student_views)
         self.lr.fill_(lr)
-        self.momentum.fill_(self.model.current_momentum())  # from host_iteration: no read of the device
-        write_host_inputs(self.model, inputs[1], self.lr.device)
+        self.momentum.fill_(self.model.current_momentum())  # at the iteration begin_step gave: no read of the device
+        self.model.write_host_inputs(inputs[1], self.lr.device)
         return inputs, static
 
     def body(self, teacher_images: Tensor, student_views: list[Tensor]) -> dict[str, Tensor]:

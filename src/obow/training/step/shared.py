@@ -1,29 +1,24 @@
 """What the step's modes share, beneath them (it imports none): the forward and backward pass of one step
-(:func:`forward_backward`), the batch on the device (:func:`to_device`), the host-drawn random numbers written into
-the tensors a compiled or graphed step reads (:func:`write_host_inputs`), and the optimiser as each mode wants it
+(:func:`forward_backward`), the batch on the device (:func:`to_device`), and the optimiser as each mode wants it
 (:func:`configure_optimizer`, :func:`start_momentum_buffers`)."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-from collections.abc import Sequence
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from obow import distributed as D
-from obow.methods.base import Method
 
 __all__ = [
     "configure_optimizer",
     "forward_backward",
     "start_momentum_buffers",
     "to_device",
-    "write_host_inputs",
 ]
 
 log = logging.getLogger("obow")
@@ -78,25 +73,6 @@ def to_device(views: dict[str, Tensor], device: torch.device, channels_last: boo
         return x.to(device, non_blocking=True, memory_format=fmt) if x.dim() == 4 else x.to(device, non_blocking=True)
 
     return move(views["teacher"]), [move(views[k]) for k in ("crops", "patches") if k in views]
-
-
-def write_host_inputs(model: Method, student_views: Sequence[Tensor], device: torch.device) -> None:
-    """The host-drawn random numbers of the step about to run (:meth:`~obow.methods.base.Method.draw_host_inputs`:
-    the same generator and order as the eager step), written into the tensors a compiled or graphed step reads
-    (``model.host_inputs``, in place once they exist: a graph keeps reading the same memory)."""
-    draws = model.draw_host_inputs(student_views)
-    if draws is None:
-        return
-    held = model.host_inputs
-    if held is None or tensor_shapes(held) != tensor_shapes(draws):
-        model.host_inputs = draws.to(device)
-    else:
-        held.copy_(draws, non_blocking=True)
-
-
-def tensor_shapes(record: Any) -> list[torch.Size]:
-    """The shapes of a dataclass of tensors (a method's host inputs)."""
-    return [getattr(record, f.name).shape for f in dataclasses.fields(record)]
 
 
 def configure_optimizer(optimizer: torch.optim.Optimizer, step: bool, graph: bool = False) -> Tensor | None:

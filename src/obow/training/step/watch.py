@@ -10,7 +10,7 @@ of a compiled step, the networks compiled at their first call, a graph compiled 
 * says when a step starts compiling and what it took before (:data:`TAKES`), then how long that step took and how
   much of it was compiling, in the log and in ``log.jsonl`` (``{"type": "compile", ...}``);
 * stops a step that compiles at once on SIGINT / SIGTERM. A signal normally lets the step under way finish, then
-  writes a checkpoint (:func:`obow.training.run.state.handle_signals`); a compilation can take minutes, and once a
+  writes a checkpoint (:func:`obow.training.run.signals.handle_signals`); a compilation can take minutes, and once a
   step has started compiling its state in memory is no step boundary (a compiled step's optimiser graph compiles
   after its forward and backward pass has run and moved the teacher, the queues and the batch-norm statistics),
   so nothing of it is kept: the run stops within seconds with one line, the checkpoint on disk stays the last
@@ -42,7 +42,7 @@ import torch
 from obow.config import Config
 from obow.notices import CPP_EXTENSION_LOGGER, NO_CUDA_RUNTIME
 from obow.training.run.logger import RunLogger, log_main
-from obow.training.run.state import Interrupted, SignalFlag
+from obow.training.run.signals import Interrupted, SignalFlag
 
 __all__ = ["ON_A_CPU", "TAKES", "CompileInterrupted", "CompileWatch", "stop_compilers"]
 
@@ -76,9 +76,9 @@ class CompileInterrupted(BaseException):
 
 class CompileWatch:
     """Says what a run's compilations take and stops a compiling step at once on a signal (see the module's
-    docstring). A context manager around the training, within :func:`obow.training.run.state.handle_signals`, whose
+    docstring). A context manager around the training, within :func:`obow.training.run.signals.handle_signals`, whose
     ``signals`` it takes; each step runs in :meth:`step`. On leaving it, a :class:`CompileInterrupted` becomes
-    :class:`~obow.training.run.state.Interrupted`, as a signal at a step boundary does."""
+    :class:`~obow.training.run.signals.Interrupted`, as a signal at a step boundary does."""
 
     def __init__(
         self, cfg: Config, device: torch.device, out: Path, signals: SignalFlag, logger: RunLogger | None = None

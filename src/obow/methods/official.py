@@ -1,4 +1,5 @@
-"""The authors' released checkpoints (valeoai/obow, official notes 6.1 and 6.4) as obow checkpoints.
+"""The authors' released checkpoints (valeoai/obow, official notes 6.1 and 6.4) as obow checkpoints: on the floor
+of the methods, since a full checkpoint becomes an :class:`~obow.methods.obow.OBoW` model's state.
 
 ``obow import-official FILE --out CKPT`` reads one of:
 
@@ -55,6 +56,7 @@ from torch import Tensor
 
 from obow.backbones import ResNetBackbone
 from obow.config import Config, from_dict, load_config, to_dict
+from obow.methods.obow import OBoW
 from obow.weights.checkpoint import FORMAT, build_checkpoint, describe, read_torch_file, save_atomic
 from obow.weights.load import guess_architecture
 
@@ -138,8 +140,6 @@ def import_official(
 ) -> dict[str, Any]:
     """Convert the official file ``path`` into the obow checkpoint ``out``; returns a summary
     (``kind``: ``"full"`` or ``"backbone"``, ``arch``, ``levels``, ``num_words``, ``kappa``, ``epoch``)."""
-    from obow.methods.obow import OBoW
-
     state, extra = read_official(path)
     student = convert_backbone(state, "feature_extractor.")
     kind = "full"
@@ -217,6 +217,6 @@ def _load_strict(model: torch.nn.Module, state: dict[str, Tensor], path: str | P
         raise ValueError(
             f"{str(path)!r} does not map onto an obow model: {len(missing)} missing entries "
             f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}; the official names are listed in "
-            "obow.weights.official's docstring"
+            "obow.methods.official's docstring"
         )
     model.load_state_dict(state, strict=True)

@@ -181,6 +181,7 @@ TRAINING_FLOORS = (
         "run.logger",
         "run.guards",
         "run.settle",
+        "run.busy",
         "run.threads",
         "run.precision",
     ),

@@ -124,7 +124,7 @@ def probe(cfg: Config, device: torch.device, recipe: str, precision: str, steps:
     rng = torch.random.get_rng_state()
     try:
         model = build_method(cfg, total_iterations=1000, resuming=True).to(device).train()
-        model.diagnose = False  # as on most steps of a run: the diagnostics are computed on the logged ones
+        model.begin_step(False)  # as on most steps of a run: the diagnostics are computed on the logged ones
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
         teacher, views = to_device(probe_batch(cfg, cfg.data.batch_size), device, cfg.train.channels_last)
         autocast = precision_context(precision, device)

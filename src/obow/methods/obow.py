@@ -137,7 +137,9 @@ class OBoW(Method):
     @torch.no_grad()
     def teacher_targets(self, images: Tensor, update: bool | None = None) -> dict[str, BoWTargets]:
         """BoW targets of every level for the teacher's views ``[B, 3, H, W]``."""
-        maps = self.teacher.maps(images, self.levels)
+        # a Backbone stops at the deepest level (conv5 is not run for conv4 alone); any other module runs whole
+        teacher = self.teacher
+        maps = teacher.maps(images, self.levels) if isinstance(teacher, Backbone) else teacher(images, self.levels).maps
         return {level: self.extractors[level](maps[level], update, self.diagnose) for level in self.levels}
 
     def forward(

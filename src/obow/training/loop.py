@@ -38,7 +38,7 @@ from torch import nn
 
 from obow import distributed as D
 from obow.config import Config
-from obow.data.folders import TINY_UPSCALE, EpochSampler, ImageList, scan_images
+from obow.data.folders import EpochSampler, ImageList, scan_images
 from obow.data.identity import identify
 from obow.methods.base import Method
 from obow.notices import release_notices
@@ -51,6 +51,7 @@ from obow.training.build import (
     setup_process,
 )
 from obow.training.cost import check_budget, check_view_sizes, out_of_memory
+from obow.training.run.busy import BusyWatch
 from obow.training.run.checkpoints import save_run, start_or_resume
 from obow.training.run.folder import check_inputs, check_out_outside_data, open_run
 from obow.training.run.guards import RunGuard, kept_checkpoint
@@ -134,6 +135,7 @@ class Run:
     watch: CompileWatch | None = None  # what a compiling step says, and a signal stopping it at once
     guard: RunGuard = field(default_factory=RunGuard)  # a non-finite loss stops the run, a collapse is warned of
     saved_at: int | None = None  # the iteration of the checkpoint on disk (None: none yet)
+    busy: BusyWatch | None = None  # the threads adapted to the cores other processes leave (a CPU run's)
 
     def save(self, state: RunState) -> None:
         """The checkpoint of ``state``, unless a loss since the last one was not finite (:class:`RunError`); every
@@ -190,15 +192,21 @@ def run_pretraining(cfg: Config, out: Path, device: torch.device, monitor: Monit
     release_notices()  # the lines `obow pretrain` held until the images were found
     with RunLock(out, device=device):  # one writer per run folder, from here to the end
         settled = settle_run(cfg, out, device)
-        with chosen_threads(settled.threads, settled.threads_why, workers=settled.pipeline == "workers"):
-            return train_in_lock(settled, out, device, monitor, images)
+        workers = settled.pipeline == "workers"
+        with chosen_threads(settled.threads, settled.threads_why, workers, device) as busy:
+            return train_in_lock(settled, out, device, monitor, images, busy)
 
 
 def train_in_lock(
-    settled: SettledRun, out: Path, device: torch.device, monitor: MonitorFactory | None, images: ImageList
+    settled: SettledRun,
+    out: Path,
+    device: torch.device,
+    monitor: MonitorFactory | None,
+    images: ImageList,
+    busy: BusyWatch | None = None,
 ) -> dict[str, Any]:
     """:func:`run_pretraining`'s work once the run folder is locked and the run settled, on the training ``images``
-    it found: build, then train."""
+    it found: build, then train (its threads adapted to the machine's other work by ``busy``, when given)."""
     cfg = settled.cfg
     check_view_sizes(cfg, images.paths)
     check_budget(cfg, device, len(images) // cfg.data.batch_size)  # a run that cannot fit is refused here
@@ -234,7 +242,8 @@ def train_in_lock(
         boundary = StepBoundary(signals, cfg.train.checkpoint_minutes, device)
         step = build_step(cfg, model, step_model, optimizer, scaler, device)
         parts = (model, step_model, optimizer, scaler, sampler, loader, iters_per_epoch, logger, boundary, step)
-        run = Run(cfg, out, device, *parts, watch=watch, saved_at=state.iteration if ckpt is not None else None)
+        saved_at = state.iteration if ckpt is not None else None
+        run = Run(cfg, out, device, *parts, watch=watch, saved_at=saved_at, busy=busy)
         try:
             train_epochs(run, state, epoch_monitor)
         except KeyboardInterrupt as abort:  # a second signal (handle_signals)
@@ -322,7 +331,9 @@ def train_one_epoch(run: Run, state: RunState) -> dict[str, Any]:
         state.epoch_steps += 1
         for key, total in state.epoch_sums.items():
             total += metrics.get(key, 0.0)
-        note_skipped(state, batch["skipped"], batch.get("tiny", ()))
+        state.note_skipped(batch["skipped"], batch.get("tiny", ()), dict(batch.get("reasons", ())))
+        if run.busy is not None:
+            run.busy.check()
         if logged:
             values = {k: float(v) for k, v in metrics.items()}
             run.guard.check(run.out, run.saved_at, run.device)
@@ -364,22 +375,6 @@ def train_step(run: Run, views: dict[str, torch.Tensor], lr: float) -> dict[str,
     :mod:`obow.training.step`); returns the step's detached metrics."""
     teacher_images, student_views = to_device(views, run.device, run.cfg.train.channels_last)
     return run.step(teacher_images, student_views, lr)
-
-
-def note_skipped(state: RunState, skipped: list[str], tiny: Iterable[tuple[str, int]] = ()) -> None:
-    """Count the unreadable images of a batch, and the tiny ones it used (each reported once)."""
-    new = set(skipped) - state.skipped
-    for path in sorted(new):
-        log.warning("skipped unreadable image %s", path)
-    state.skipped |= new
-    for path, side in sorted({(path, side) for path, side in tiny if path not in state.tiny}):
-        log.warning(
-            "tiny image %s (shorter side %d px): upscaled more than %dx into the views, used all the same",
-            path,
-            side,
-            TINY_UPSCALE,
-        )
-        state.tiny.add(path)
 
 
 def make_monitor(

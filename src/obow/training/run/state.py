@@ -11,10 +11,14 @@ and the signals that stop it at a step boundary (:mod:`~obow.training.run.signal
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("obow")
 
 
 class RunError(RuntimeError):
@@ -51,6 +55,26 @@ class RunState:
         self.batch_in_epoch = 0
         self.epoch_sums, self.epoch_steps, self.epoch_seconds = {}, 0, 0.0
         self.segment_start = time.time()
+
+    def note_skipped(
+        self, skipped: list[str], tiny: Iterable[tuple[str, int]] = (), reasons: dict[str, str] | None = None
+    ) -> None:
+        """Count the unreadable images of a batch, each reported once with why (``reasons``, from the pipeline), and
+        the tiny ones it used (each reported once)."""
+        from obow.data.folders import TINY_UPSCALE
+
+        new = set(skipped) - self.skipped
+        for path in sorted(new):
+            log.warning("skipped image %s: %s", path, (reasons or {}).get(path, "unreadable"))
+        self.skipped |= new
+        for path, side in sorted({(path, side) for path, side in tiny if path not in self.tiny}):
+            log.warning(
+                "tiny image %s (shorter side %d px): upscaled more than %dx into the views, used all the same",
+                path,
+                side,
+                TINY_UPSCALE,
+            )
+            self.tiny.add(path)
 
 
 def summary(out: Path, state: RunState) -> dict[str, Any]:

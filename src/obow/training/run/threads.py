@@ -10,26 +10,35 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from obow.config import Config
+from obow.training.run.busy import BusyWatch
 from obow.training.run.logger import log_main
 
 __all__ = ["available_cores", "busy_machine_hint", "choose_threads", "chosen_threads", "ignored_omp_threads"]
 
 
 @contextlib.contextmanager
-def chosen_threads(threads: int, why: str, workers: bool = True) -> Iterator[None]:
+def chosen_threads(
+    threads: int, why: str, workers: bool = True, device: torch.device | None = None
+) -> Iterator[BusyWatch | None]:
     """Run with ``threads``, :func:`choose_threads`'s choice for ``why`` (said in the run's header, with the
-    loader workers' one thread when ``workers``: the device pipeline has none), then restore the caller's."""
+    loader workers' one thread when ``workers``: the device pipeline has none), then restore the caller's. Yields
+    the :class:`~obow.training.run.busy.BusyWatch` that adapts the threads to the cores other processes leave,
+    where obow chose them for one process on a CPU (else ``None``)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     log_main("Threads: %d per training process (%s)%s", threads, why, "; 1 per data-loading worker" if workers else "")
     ignored = ignored_omp_threads()
     if ignored:
         log_main("Threads: %s", ignored, level=logging.WARNING)
-    hint = busy_machine_hint(threads, why)
+    chosen_here = why not in ("train.threads", "OMP_NUM_THREADS")
+    one_process = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= 1
+    on_cpu = device is None or device.type == "cpu"
+    watch = BusyWatch(threads, available_cores()) if chosen_here and one_process and on_cpu and threads > 1 else None
+    hint = None if watch is not None else busy_machine_hint(threads, why)
     if hint:
         log_main("Threads: %s", hint, level=logging.WARNING)
     try:
-        yield
+        yield watch
     finally:
         torch.set_num_threads(previous)
 

@@ -48,19 +48,11 @@ def _links(path: Path) -> list[str]:
     return [m[1] for m in LINK.finditer(_prose(path.read_text()))]
 
 
-#: Guide pages not yet brought under 200 lines (issue 68: the demo's page is being rewritten).
-LONG_PAGES = {"docs/demo.md"}
-
-
 def test_every_guide_page_is_a_few_screens():
     """Each page of docs/ says what a feature does, how to use it and what to expect in under 200 lines; runs,
     tables and measurements live in docs/results/ (not checked), linked."""
-    long = {
-        name: n
-        for page in sorted(DOCS.glob("*.md"))
-        if (name := page.relative_to(ROOT).as_posix()) not in LONG_PAGES
-        and (n := len(page.read_text().splitlines())) >= 200
-    }
+    lines = {page.relative_to(ROOT).as_posix(): len(page.read_text().splitlines()) for page in DOCS.glob("*.md")}
+    long = {name: n for name, n in lines.items() if n >= 200}
     assert not long, long
 
 

@@ -13,9 +13,10 @@ Layout: one flat ``uint8`` buffer, each image's ``[3, h, w]`` pixels after the p
 height and width in the metadata (:attr:`ImageCache.sizes`; the offsets follow). It is read into memory when it
 fits in half of the memory available, memory-mapped otherwise (:attr:`ImageCache.where`; the run's header says
 which, with its size). :meth:`ImageCache.batch` gathers a batch padded to its largest height and width, the
-padding repeating each image's last row and column, so that one batched ``roi_align`` serves every image with
-boxes in its own pixels and no box sees another pixel than its image's (``[N, 3, h, w]`` at once when all images
-have one size, as CIFAR-10's do: no padding, the gather of a square cache as before).
+padding repeating each image's last row and column, so that one batched render serves every image with boxes in
+its own pixels (the render's resampling weights never reach past an image's own size, so the padding is never
+read: :mod:`obow.data.batched_views`; ``[N, 3, h, w]`` at once when all images have one size, as CIFAR-10's do:
+no padding, the gather of a square cache as before).
 
 Every image keeps its whole area, as the worker pipeline sees it, so a crop may reach anywhere in it. Its size:
 with ``data.cache_size`` set, every image's shorter side is resized to it; by default an image whose shorter side
@@ -296,8 +297,8 @@ class ImageCache:
 def padded_batch(flat: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray) -> torch.Tensor:
     """Images ``[3, h_i, w_i]`` stored one after another in ``flat`` (from ``offsets``) as ``[B, 3, H, W]`` on
     ``flat``'s device: each at the top left, its last row and column repeated to the largest ``H`` and ``W``
-    (so that a bilinear sample near its edge reads its edge, as ``roi_align`` does at a tensor's border). One
-    gather of clamped indices, :data:`GATHER_CHUNK` pixels at a time."""
+    (the render gives the padding no weight; repeated edges keep it finite and plain to look at). One gather of
+    clamped indices, :data:`GATHER_CHUNK` pixels at a time."""
     device = flat.device
     height, width = (int(v) for v in sizes.max(axis=0))
     out = torch.empty(len(sizes), 3, height, width, dtype=flat.dtype, device=device)

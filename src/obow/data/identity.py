@@ -3,7 +3,7 @@
 
 A run records the digest (with the number of images and their bytes) in every checkpoint, and the list itself
 once in its run folder (:data:`LIST_NAME`, gzipped text, one ``path<TAB>size`` line per image). A resume
-compares the images it finds with the checkpoint's (:func:`obow.training.run.state.check_same_data`): the same
+compares the images it finds with the checkpoint's (:func:`obow.training.run.data_check.check_same_data`): the same
 list under another ``data.path`` is the same data (a moved or remounted folder), and a different one is named
 by what changed (:func:`compare`). Identifying costs one ``stat`` per image, no read of its contents: an image
 rewritten in place with the same name and size is not noticed, and modification times are left out, so that a

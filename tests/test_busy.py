@@ -74,14 +74,17 @@ def test_without_proc_the_watch_does_nothing():
 def test_a_real_neighbour_is_seen_as_other_work_and_our_own_work_is_not(tmp_path):
     before = read_cpu_times()
     assert before is not None and before.machine > 0 and before.ours > 0
-    # our own work (this process, and a child process of ours) is ours, not others'
-    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1: pass"])
-    start = time.monotonic()
-    while time.monotonic() - start < 1.0:
+    # our own work (this process, and a living child process of ours) is ours, not others': each spins until it
+    # has used half a second of CPU (not of wall time: the machine may be loaded), the child then waits, alive
+    spin = "import sys, time\nwhile time.process_time() < 0.5: pass\nprint('done', flush=True)\nsys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    start = time.process_time()
+    while time.process_time() - start < 0.5:
         pass
+    assert child.stdout.readline() == "done\n"
     mid = read_cpu_times()
-    child.wait()
-    assert mid is not None and mid.ours - before.ours >= 1.0  # our second and (most of) the child's
+    child.communicate("")
+    assert mid is not None and mid.ours - before.ours >= 0.9  # our half second and the child's (and its start)
     # a process that is not ours: started by another one (a grandchild reparented: here, a detached child of a shell)
     spinner = subprocess.Popen(
         ["sh", "-c", f"{sys.executable} -c 'while True: pass' & echo $!"], stdout=subprocess.PIPE, text=True

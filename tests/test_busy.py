@@ -14,6 +14,7 @@ from obow.training.run.busy import (
     BusyWatch,
     CpuTimes,
     machine_busy_seconds,
+    others_now,
     process_seconds,
     read_cpu_times,
     threads_for,
@@ -62,6 +63,12 @@ def test_the_watch_drops_to_one_thread_while_others_work_and_comes_back(caplog):
     assert watch.check() == 2 and set_to == [1, 2]
     assert "the cores are free again" in caplog.text
     assert [threads for _, threads in watch.changes] == [1, 2]
+
+
+def test_others_now_is_the_machines_busy_time_less_ours_over_the_wall_time():
+    reads = iter([CpuTimes(100.0, 10.0), CpuTimes(100.3, 10.1)])
+    assert others_now(0.2, read=lambda: next(reads)) == pytest.approx(0.2 / 0.2, rel=0.5)  # 0.2 s of others' in 0.2 s
+    assert others_now(0.0, read=lambda: None) is None
 
 
 def test_without_proc_the_watch_does_nothing():

@@ -98,19 +98,24 @@ def speeds(monkeypatch):
     """``speeds({recipe: (step_s, pass_s)}, precisions=("fp32",), gpu=False)``: the demo's probe of this machine
     replaced by the given seconds a step and a monitor pass (a GPU visible or not), every call recorded."""
 
-    def set_speeds(table, precisions=("fp32",), gpu=False):
+    def set_speeds(table, precisions=("fp32",), gpu=False, others=0.0):
         calls = []
 
         def fake_probe(cfg, device, recipe, precision, steps=2):
             calls.append((recipe, precision))
+            threads.append(torch.get_num_threads())
             step, monitor = table[recipe]
             return demo_probe.Probe(recipe, precision, step * (0.5 if precision == "bf16" else 1.0), monitor)
 
         monkeypatch.setattr(demo_probe, "probe", fake_probe)
         monkeypatch.setattr(demo_probe, "fast_precisions", lambda device: precisions)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+        monkeypatch.setattr("obow.training.run.busy.others_now", lambda: others)
+        monkeypatch.setattr("obow.training.run.threads.available_cores", lambda: 2)
         return calls
 
+    threads: list[int] = []
+    set_speeds.threads = threads
     return set_speeds
 
 
@@ -141,12 +146,27 @@ def test_the_demo_runs_the_best_recipe_the_probe_says_fits(speeds):
     # nothing fits: the cheapest, and the line says it is over the budget
     speeds({"demo": (2.0, 9.0), "demo_fp32": (1.5, 9.0), "demo_short": (1.5, 9.0)})
     recipe, line, _ = choose_recipe(digits, [])
-    assert recipe == "demo_short" and "over, the cheapest recipe" in line
+    assert recipe == "demo_short" and "over the 3-minute budget: the cheapest recipe" in line
     # bf16 where the probe keeps it and it is faster; the user's precision is the only one probed, and not added
     calls = speeds({"demo": (0.1, 2.0), "demo_fp32": (0.1, 2.0), "demo_short": (0.1, 2.0)}, ("bf16", "fp32"))
     assert choose_recipe(digits, [])[2] == ["train.precision=bf16"] and calls == [("demo", "bf16"), ("demo", "fp32")]
     calls = speeds({"demo": (0.1, 2.0), "demo_fp32": (0.1, 2.0), "demo_short": (0.1, 2.0)}, ("bf16", "fp32"))
     assert choose_recipe(digits, ["train.precision=fp32"])[2] == [] and calls == [("demo", "fp32")]
+
+
+def test_the_probe_runs_on_the_threads_other_work_leaves(speeds):
+    """Beside a process that keeps one of two cores busy the probe times one thread, as the run will train (two
+    threads waiting for a taken core would time the collapse, not the run); the caller's threads come back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        speeds({"demo": (0.1, 2.0), "demo_fp32": (0.1, 2.0), "demo_short": (0.1, 2.0)}, others=1.0)
+        choose_recipe(DATASETS["digits"], [])
+        speeds({"demo": (0.1, 2.0), "demo_fp32": (0.1, 2.0), "demo_short": (0.1, 2.0)}, others=0.1)
+        choose_recipe(DATASETS["digits"], [])
+        assert speeds.threads == [1, 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_gpu_one_recipe_or_the_users_choice_needs_no_probe(speeds, tmp_path):

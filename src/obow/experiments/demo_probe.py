@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,10 +72,11 @@ class Choice:
     def line(self) -> str:
         """The demo's first line: what it chose and why, in one line."""
         timed = ", ".join(f"{p.recipe} {p.precision} {p.step_seconds:.2f} s" for p in self.probes)
-        verdict = "within" if self.fits else "over, the cheapest recipe"
+        budget = f"the {BUDGET_SECONDS / 60:.0f}-minute budget"
+        verdict = f"within {budget}" if self.fits else f"over {budget}: the cheapest recipe"
         return (
             f"Demo: recipe '{self.recipe}' in {self.precision}, about {self.estimate_seconds / 60:.1f} min "
-            f"({verdict} the {BUDGET_SECONDS / 60:.0f}-minute budget), chosen by a {self.probe_seconds:.0f} s probe "
+            f"({verdict}), chosen by a {self.probe_seconds:.0f} s probe "
             f"of this machine (a step: {timed}); `obow demo --recipe NAME` runs another"
         )
 
@@ -176,9 +178,34 @@ def choose_by_probe(
     demo fits ``budget`` at the faster of the precisions that :func:`fast_precisions` keeps (or at
     ``precisions``, the user's ``train.precision``, alone); else the cheapest probed. The probe's own seconds
     count against the budget."""
+    import torch
+
+    from obow.training.run.busy import others_now, threads_for
     from obow.training.run.precision import resolve_precision
+    from obow.training.run.threads import available_cores
 
     start = time.perf_counter()
+    previous = torch.get_num_threads()
+    # the threads the run will train on: those that other processes' work leaves (obow.training.run.busy)
+    others = others_now() if device.type == "cpu" else None
+    if others is not None:
+        torch.set_num_threads(threads_for(others, available_cores(), previous))
+    try:
+        return probe_recipes(configs, device, write_data, budget, precisions, start, resolve_precision)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def probe_recipes(
+    configs: dict[str, Config],
+    device: torch.device,
+    write_data: bool,
+    budget: float,
+    precisions: str | None,
+    start: float,
+    resolve_precision: Callable[[str, torch.device], str],
+) -> Choice:
+    """:func:`choose_by_probe`'s probes, on the threads it set, from ``start`` (its clock)."""
     kept = (resolve_precision(precisions, device),) if precisions else fast_precisions(device)
     probes: list[Probe] = []
     best: tuple[float, Probe] | None = None

@@ -31,7 +31,7 @@ import torch
 
 from obow.training.run.logger import log_main
 
-__all__ = ["INTERVAL_S", "BusyWatch", "CpuTimes", "read_cpu_times", "threads_for"]
+__all__ = ["INTERVAL_S", "BusyWatch", "CpuTimes", "others_now", "read_cpu_times", "threads_for"]
 
 #: Seconds between two looks at the machine.
 INTERVAL_S = 5.0
@@ -92,6 +92,16 @@ def read_cpu_times(proc: Path = Path("/proc")) -> CpuTimes | None:
         return CpuTimes(machine, ours)
     except (OSError, IndexError, ValueError, AssertionError):
         return None
+
+
+def others_now(seconds: float = 0.5, read: Callable[[], CpuTimes | None] = read_cpu_times) -> float | None:
+    """The cores other processes keep busy, measured over the next ``seconds`` (``None``: ``/proc`` does not say)."""
+    first, start = read(), time.monotonic()
+    time.sleep(seconds)
+    second = read()
+    if first is None or second is None:
+        return None
+    return max(0.0, (second.machine - first.machine) - (second.ours - first.ours)) / (time.monotonic() - start)
 
 
 def threads_for(others: float, cores: int, chosen: int) -> int:

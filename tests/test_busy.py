@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from obow.training.run import busy
 from obow.training.run.busy import (
@@ -108,3 +109,19 @@ def test_a_real_neighbour_is_seen_as_other_work_and_our_own_work_is_not(tmp_path
     assert first is not None and second is not None
     others = ((second.machine - first.machine) - (second.ours - first.ours)) / wall
     assert others >= 0.5  # the spinner's core (less whatever the scheduler gave others meanwhile)
+
+
+def test_the_watch_runs_only_where_obow_chose_the_threads_of_one_process_on_a_cpu(monkeypatch):
+    from obow.training.run.threads import chosen_threads
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    with chosen_threads(2, "2 cores, 1 training process(es) here", False, cpu) as watch:
+        assert isinstance(watch, BusyWatch) and (watch.chosen, watch.threads) == (2, 2)
+    for threads, why, device in ((2, "train.threads", cpu), (2, "OMP_NUM_THREADS", cpu), (1, "1 core", cpu)):
+        with chosen_threads(threads, why, False, device) as watch:
+            assert watch is None
+    with chosen_threads(2, "2 cores", False, gpu) as watch:
+        assert watch is None  # a GPU run's threads feed the device
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with chosen_threads(2, "2 cores, 2 training process(es) here", False, cpu) as watch:
+        assert watch is None  # its sibling processes would count as other work

@@ -21,7 +21,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import sys
 import time
 from collections import defaultdict
@@ -31,6 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
+from demo_time import cpu_kind  # noqa: E402
 from step_time import synthetic_batch, timed_step, training_run  # noqa: E402
 
 from obow.config import load_config  # noqa: E402
@@ -44,24 +44,6 @@ GROUPS = (
     ("pooling", ("avg_pool", "adaptive_avg", "max_pool2d")),
     ("element-wise (ReLU, add, mul, copy)", ("relu", "threshold", "add", "mul", "copy_", "clone", "fill_", "div")),
 )
-
-
-def cpu_flags() -> dict[str, bool]:
-    """The CPU's vector extensions that decide obow's speed (from /proc/cpuinfo; empty where it is not there)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    return {f: f in flags for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")}
-
-
-def cpu_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
 
 
 def group_of(name: str) -> str:
@@ -123,8 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
         "top_operators": {k: v for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:15]},
         "top_convolutions": {k: v for k, v in sorted(convs.items(), key=lambda kv: -kv[1])[:12]},
         "machine": {
-            "cpu": cpu_model(),
-            "flags": cpu_flags(),
+            "cpu": cpu_kind(),
             "capability": torch.backends.cpu.get_cpu_capability(),
             "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY"),
             "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA"),

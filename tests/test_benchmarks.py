@@ -554,3 +554,28 @@ def test_official_step_runs_both_steps_from_the_same_weights_and_catches_another
     assert "--obow-settings optim.lr=0.01" in result["command"]
     assert not {f"obow.{name}" for name in official_step.OFFICIAL_MODULES} & set(sys.modules)  # theirs: obow.fewshot
     assert not any(hasattr(obow, name) for name in official_step.OFFICIAL_MODULES)
+
+
+def test_step_profile_groups_a_real_steps_operators_and_writes_its_machine(tiny_recipe, tmp_path, capsys):
+    step_profile = load_script("step_profile")
+    out = tmp_path / "profile.json"
+    result = step_profile.main(["--config", str(tiny_recipe), "--warmup", "1", "--steps", "1", "--json", str(out)])
+    assert json.loads(out.read_text()) == result
+    shares = [g["share"] for g in result["groups"].values()]
+    assert math.isclose(sum(shares), 1.0, rel_tol=1e-6) and result["groups"]["convolution"]["seconds"] > 0
+    assert result["step_seconds_unprofiled"] > 0 and result["top_convolutions"]
+    assert set(result["machine"]) >= {"cpu", "capability", "torch"} and "--steps 1" in result["command"]
+    assert step_profile.group_of("aten::convolution_backward") == "convolution"
+    assert step_profile.group_of("aten::native_batch_norm") == "batch norm"
+    assert step_profile.group_of("aten::_fused_sgd_") == "optimiser (SGD)"
+    assert "a step unprofiled" in capsys.readouterr().out
+
+
+def test_busy_machine_reads_its_settings_and_a_runs_last_epoch(tmp_path):
+    busy_machine = load_script("busy_machine")
+    assert busy_machine.parse_setting("obow=") == ("obow", {})
+    assert busy_machine.parse_setting("p=OMP_NUM_THREADS=2,OMP_WAIT_POLICY=PASSIVE") == (
+        "p",
+        {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
+    )
+    assert [busy_machine.parse_setting(s)[0] for s in busy_machine.DEFAULT_SETTINGS] == ["obow", "fixed-2", "passive"]

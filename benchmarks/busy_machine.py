@@ -70,7 +70,9 @@ def one_run(data: Path, out: Path, env: dict[str, str], args: argparse.Namespace
     ]
     environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
     environ.update(env)
-    subprocess.run(command, env=environ, check=True, capture_output=True, timeout=args.timeout)
+    proc = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:  # the run's own last lines, as benchmarks/threads.py says them
+        raise SystemExit(proc.stderr[-2000:])
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     epochs = [r for r in records if r.get("type") == "epoch"]
     steps = epochs[-1]["iteration"] - (epochs[-2]["iteration"] if len(epochs) > 1 else 0)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -181,7 +180,6 @@ def choose_by_probe(
     import torch
 
     from obow.training.run.busy import others_now, threads_for
-    from obow.training.run.precision import resolve_precision
     from obow.training.run.threads import available_cores
 
     start = time.perf_counter()
@@ -191,7 +189,7 @@ def choose_by_probe(
     if others is not None:
         torch.set_num_threads(threads_for(others, available_cores(), previous))
     try:
-        return probe_recipes(configs, device, write_data, budget, precisions, start, resolve_precision)
+        return probe_recipes(configs, device, write_data, budget, precisions, start)
     finally:
         torch.set_num_threads(previous)
 
@@ -203,9 +201,10 @@ def probe_recipes(
     budget: float,
     precisions: str | None,
     start: float,
-    resolve_precision: Callable[[str, torch.device], str],
 ) -> Choice:
     """:func:`choose_by_probe`'s probes, on the threads it set, from ``start`` (its clock)."""
+    from obow.training.run.precision import resolve_precision
+
     kept = (resolve_precision(precisions, device),) if precisions else fast_precisions(device)
     probes: list[Probe] = []
     best: tuple[float, Probe] | None = None

@@ -59,7 +59,7 @@ class Deliveries:
     Python runs a signal's handler once for every delivery of that signal that came before the handler could run:
     two Ctrl-C 0.05 s apart inside one long C call (a training step's operator) run it once, and looked like one
     request. Its C-level handler, though, writes one byte per delivery to the wakeup file descriptor
-    (:func:`signal.set_wakeup_fd`): a non-blocking pipe here, which :meth:`count` empties. Where another part of the
+    (:func:`signal.set_wakeup_fd`): a non-blocking pipe here, which :meth:`take` empties. Where another part of the
     process already uses the wakeup descriptor, it is left to it, and each run of the handler counts as one signal,
     as before. Two signals of a kind sent before the process runs at all reach it as one (the kernel keeps one
     pending): nothing here can count those. A process forked while it is set (a DataLoader worker) stops writing to it
@@ -89,12 +89,14 @@ class Deliveries:
         _COUNTING = True
         return self
 
-    def count(self) -> int:
-        """The stop signals delivered since the last count, the one whose handler calls it included (at least 1)."""
+    def take(self) -> list[int] | None:
+        """The stop signals delivered since the last call, the one whose handler calls it included, by number in the
+        order they arrived (empty: this handler's signal was already taken by an earlier call); ``None`` where the
+        descriptor is not this object's (nothing is counted, each run of a handler is one signal)."""
         if self.read_end is None:
-            return 1
+            return None
         stop = {int(s) for s in STOP_SIGNALS}
-        found = 0
+        found: list[int] = []
         while True:
             try:
                 data = os.read(self.read_end, 4096)
@@ -102,8 +104,8 @@ class Deliveries:
                 break
             if not data:
                 break
-            found += sum(byte in stop for byte in data)
-        return max(found, 1)
+            found += [byte for byte in data if byte in stop]
+        return found
 
     def __exit__(self, *exc: object) -> None:
         global _COUNTING
@@ -144,7 +146,9 @@ class SignalFlag:
     (:attr:`at`, ``time.monotonic()``); :attr:`doing` names what the loop finishes before its checkpoint (the
     step under way, or the end-of-epoch monitor, which can take minutes on a CPU), for the message a signal
     prints. While :attr:`abort` is set (a step compiling, :mod:`obow.training.step.watch`), the first signal
-    raises ``abort(name)`` instead: the step is not finished."""
+    raises ``abort(name)`` instead: the step is not finished. :attr:`aborted` is set once a signal has raised: the
+    handler runs of signals already counted then do nothing, so that the code unwinding the abort (the line naming
+    the checkpoint kept) is not cut short by a second exception for the same signals."""
 
     STEP = "the step under way"
 
@@ -153,6 +157,7 @@ class SignalFlag:
         self.at = 0.0
         self.doing = self.STEP
         self.abort: Callable[[str], BaseException] | None = None
+        self.aborted = False
 
     @contextlib.contextmanager
     def finishing(self, what: str) -> Iterator[None]:
@@ -181,16 +186,25 @@ def handle_signals(announce: bool = True, repeat_window: float | None = None) ->
 
     def note(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        delivered = deliveries.count()
+        delivered = deliveries.take()
+        if flag.aborted:
+            if delivered == []:  # a signal already counted by the handler that aborted: one abort, not two
+                return
+            raise KeyboardInterrupt(name)
         if flag.received is None:
             flag.received, flag.at = name, time.monotonic()
             if flag.abort is not None:
+                flag.aborted = True
                 raise flag.abort(name)
-            if delivered > 1 and window <= 0.0:  # a second one came before this handler could run
-                raise KeyboardInterrupt(name)
+            if delivered is not None and len(delivered) > 1 and window <= 0.0:  # a second one came before this ran
+                flag.aborted = True
+                if signum in delivered:  # this handler's signal is the first request; the abort names another
+                    delivered.remove(signum)
+                raise KeyboardInterrupt(signal.Signals(delivered[-1]).name)
             if announce:
                 log.warning("%s: finishing %s, then writing a checkpoint (again to abort)", name, flag.doing)
         elif time.monotonic() - flag.at >= window:
+            flag.aborted = True
             raise KeyboardInterrupt(name)
 
     try:

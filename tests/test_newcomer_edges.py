@@ -97,6 +97,8 @@ def test_an_export_without_its_sidecar_is_recognised_never_contradicted(tmp_path
     ("arch", "options"),
     [
         ("timm:resnet18d", {"channels": [16, 16, 32, 32], "stem_width": 8}),
+        ("timm:resnet18", {"channels": [16, 32, 64, 128], "stem_width": 8, "stem_type": "deep"}),  # the demo's
+        ("timm:resnet18", {"channels": [16, 32, 64, 128], "stem_width": 16, "stem_type": "deep_tiered"}),
         ("timm:resnet10t", {}),
         ("timm:resnet50", {"channels": [8, 16, 16, 32]}),
         ("resnet34", {}),

@@ -354,8 +354,9 @@ TIMM_RESNETS: dict[tuple[tuple[int, ...], bool], tuple[str, ...]] = {
 def recognise_weights(state: dict[str, Tensor]) -> Recognised | None:
     """The network a backbone ``state_dict`` holds, from its names and shapes alone (``None`` when unknown): a
     torchvision ResNet of :data:`~obow.backbones.ARCHITECTURES` (the CIFAR stem recognised by its 3x3 ``conv1``),
-    else a timm ResNet of :data:`TIMM_RESNETS`, with the ``channels`` and ``stem_width`` options its widths
-    need. (A timm ResNet at torchvision's widths is a torchvision one: same names, shapes and computation.)"""
+    else a timm ResNet of :data:`TIMM_RESNETS`, with the ``channels``, ``stem_width`` and ``stem_type`` options its
+    widths and stem need. (A timm ResNet at torchvision's widths is a torchvision one: same names, shapes and
+    computation.)"""
     state = {k: v for k, v in state.items() if not k.startswith("fc.")}
     arch, stem = guess_architecture(state)
     if arch is not None:
@@ -374,8 +375,12 @@ def _recognise_timm_resnet(state: dict[str, Tensor]) -> Recognised | None:
     blocks = tuple(len({k.split(".")[1] for k in state if k.startswith(f"layer{i}.")}) for i in range(1, 5))
     names = TIMM_RESNETS.get((blocks, "layer1.0.conv3.weight" in state), ())
     channels = {"channels": [int(state[k].shape[0]) for k in stages]}
-    # the fewest options that fit (timm's single-convolution stem ignores stem_width: always 64 channels)
+    # the fewest options that fit (timm's single-convolution stem ignores stem_width: always 64 channels); a
+    # three-convolution stem on a plain name is stem_type deep (its two first widths equal) or deep_tiered
     tries: tuple[dict[str, Any], ...] = ({}, channels, {**channels, "stem_width": int(state[stem_conv].shape[0])})
+    if stem_conv == "conv1.3.weight":
+        kind = "deep" if state["conv1.0.weight"].shape[0] == state[stem_conv].shape[0] else "deep_tiered"
+        tries = (*tries, {**tries[-1], "stem_type": kind})
     for name in names:
         for options in tries:
             try:

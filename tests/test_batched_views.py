@@ -545,6 +545,7 @@ def test_the_dense_colour_jitter_is_the_picked_one_bit_for_bit():
 
 
 @pytest.mark.parametrize("mocov2", [False, True], ids=["obow", "mocov2"])
+@pytest.mark.slow
 def test_the_dense_render_and_its_compiled_graph_make_the_same_views(mocov2):
     """The render a compiled device pipeline runs: dense, eager, equal to the usual render bit for bit; traced
     whole into one graph (``fullgraph``) that batches of new parameters reuse without recompiling, and under

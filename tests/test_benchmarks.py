@@ -59,6 +59,7 @@ def test_synthetic_batch_has_the_recipe_view_shapes(step_time, tiny_recipe):
     assert batch["patches"].shape == (b, v.num_patches, 3, v.patch_size, v.patch_size)
 
 
+@pytest.mark.slow
 def test_compare_times_the_loop_step_on_a_timm_arch_and_prints_the_bf16_ratio(step_time, tiny_recipe, capsys):
     threads = torch.get_num_threads()
     step_time.main(
@@ -108,6 +109,7 @@ def test_breakdown_steps_build_any_arch(step_time, tiny_recipe, mode):
     assert result["median_s"] > 0 and result["memory_mib"] > 0
 
 
+@pytest.mark.slow
 def test_quality_minutes_budget_plans_whole_epochs_and_the_tables_warmup(
     tiny_recipe, write_images, tmp_path, monkeypatch
 ):
@@ -142,6 +144,7 @@ def gpu_check(tmp_path: Path, write_images, skip: list[str], deadline: int) -> l
     return (tmp_path / "out" / "summary.txt").read_text().splitlines()
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_its_parts_in_order_skips_what_it_is_told_and_keeps_its_deadline(tmp_path, write_images):
     assert {"step_time_r50", "pretrain", "torchrun_nccl", "pytest", "demo"} <= set(GPU_CHECK_PARTS)  # parsed
     lines = gpu_check(tmp_path, write_images, skip=GPU_CHECK_PARTS, deadline=60)
@@ -176,6 +179,7 @@ def throughput():
     return importlib.import_module("throughput")
 
 
+@pytest.mark.slow
 def test_throughput_times_both_pipelines_and_both_diagnostics_rhythms(throughput, tmp_path, tiny_recipe, write_images):
     data = write_images(tmp_path / "data", per_class=8, size=20)
     common = ["--config", str(tiny_recipe), "--data", str(data), "--device", "cpu", "--steps", "2", "--rounds", "2"]
@@ -320,6 +324,7 @@ def test_views_libraries_compares_obow_with_the_installed_libraries(tmp_path):
     assert rates["obow"] > 0 and all(r > 0 for r in rates.values())
 
 
+@pytest.mark.slow
 def test_render_times_the_eager_dense_and_compiled_renders_in_the_same_rounds(tmp_path, capsys):
     render = load_script("render")
     out = tmp_path / "render.json"
@@ -362,6 +367,7 @@ def test_monitor_times_reading_and_keeping_monitors_on_the_same_backbone(tmp_pat
     )
 
 
+@pytest.mark.slow
 def test_gpu_profile_runs_on_the_cpu(throughput, tmp_path, tiny_recipe, write_images, capsys):
     gpu_profile = load_script("gpu_profile")
     data = write_images(tmp_path / "data", per_class=8, size=20)

@@ -79,6 +79,7 @@ def test_without_proc_the_watch_does_nothing():
 
 
 @pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="no /proc here")
+@pytest.mark.slow
 def test_a_real_neighbour_is_seen_as_other_work_and_our_own_work_is_not(tmp_path):
     before = read_cpu_times()
     assert before is not None and before.machine > 0 and before.ours > 0

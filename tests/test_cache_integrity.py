@@ -217,6 +217,7 @@ def start_build(tmp_path, tiny_recipe, via: str = "cli") -> tuple[subprocess.Pop
         pytest.param(signal.SIGHUP, 129, "cli", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow
 def test_a_build_stopped_by_a_signal_leaves_nothing_and_says_so_in_one_line(tmp_path, tiny_recipe, signum, code, via):
     proc, folder = start_build(tmp_path, tiny_recipe, via)
     proc.send_signal(signum)

@@ -94,6 +94,7 @@ def test_fewshot_end_to_end(setup, tmp_path):
     assert report["data"]["num_images"] == 18
 
 
+@pytest.mark.slow
 def test_linear_and_finetune_run_and_record_their_settings(setup, tmp_path):
     data, ckpt = setup
     out = tmp_path / "linear.json"
@@ -143,6 +144,7 @@ def test_random_init_baseline_needs_an_architecture_and_records_the_seed(setup, 
         run("eval", "knn", "--random-init", "--data", data, "--out", out, *FAST)
 
 
+@pytest.mark.slow
 def test_with_random_init_evaluates_the_checkpoint_then_its_network_untrained(setup, tmp_path, capsys):
     """``--with-random-init``: the checkpoint's table, then the same network at its random initialisation (same
     seed, view and data), each in its own report; the baseline equals ``--random-init`` of the checkpoint."""
@@ -215,6 +217,7 @@ def test_an_export_beside_its_checkpoint_gets_its_own_report(setup, tmp_path):
     assert report["source"]["kind"] == "exported" and report["settings"]["k"] == [7]
 
 
+@pytest.mark.slow
 def test_exports_named_like_the_checkpoints_reports_leave_them_as_they_were(setup, tmp_path):
     """Exports named ``teacher.pth`` and ``random_init.pth`` beside their checkpoint write reports of their own:
     the teacher's report and the random-init baseline (``knn_teacher.json``, ``knn_random_init.json``) stay."""
@@ -268,6 +271,7 @@ def test_unreadable_images_are_skipped_reported_and_recorded(setup, tmp_path):
     assert json.loads(out.read_text())["skipped_images"] == [str(bad)]
 
 
+@pytest.mark.slow
 def test_two_exports_of_one_name_keep_two_reports(setup, tmp_path):
     """``backbone.pth`` and ``backbone.safetensors`` beside each other (both documented export names): each
     evaluation writes a report of its own (``knn_backbone-backbone.json``, ``knn_backbone-backbone.safetensors.json``)
@@ -302,6 +306,7 @@ def test_a_default_report_of_another_file_is_not_replaced(setup, tmp_path):
     assert json.loads((folder / "eval" / "knn.json").read_text())["settings"]["k"] == [7]  # its own: replaced
 
 
+@pytest.mark.slow
 def test_with_random_init_of_an_exported_backbone(setup, tmp_path, capsys):
     """``--backbone FILE --with-random-init``: the export, then its network (from its sidecar) at its random
     initialisation with the same seed, view and data: the numbers of ``--checkpoint --random-init`` of the

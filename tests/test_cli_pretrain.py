@@ -230,6 +230,7 @@ def test_precision_memory_format_and_compile_switches_train(
 
 
 @pytest.mark.parametrize("data", ["missing", "empty"])
+@pytest.mark.slow
 def test_a_bad_data_folder_is_the_only_line(tmp_path, tiny_recipe, data):
     """Issue 54: a setting's warning (the warm-up shortened for a 1-epoch run) came before the error of a missing
     or empty --data; the error is now the only line on stderr (the warning waits until the images are found)."""

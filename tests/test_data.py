@@ -446,6 +446,7 @@ def _sleep_ignoring_sigterm() -> None:
     time.sleep(60)
 
 
+@pytest.mark.slow
 def test_a_worker_ignores_sigterm_and_is_still_ended_at_exit():
     """Workers ignore SIGTERM (a signal to the whole job is the main process's to handle); the exit hook that
     multiprocessing's own SIGTERM-then-join relies on must kill them, or an error exit would wait forever."""

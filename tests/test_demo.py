@@ -49,6 +49,7 @@ def test_write_digits_makes_a_stratified_class_folder_split(digits_root):
     assert sorted(p.stat().st_mtime_ns for p in train.rglob("*.png")) == before
 
 
+@pytest.mark.slow
 def test_digit_mosaics_are_reproducible(digits_root, tmp_path):
     a_train = digits_root / "train"
     b_train, _ = write_digits(tmp_path / "b", seed=0, copies=1)

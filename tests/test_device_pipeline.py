@@ -199,6 +199,7 @@ def test_the_loader_follows_the_sampler_and_holds_no_copy_of_the_cache(tmp_path)
     assert not torch.equal(list(loader)[0]["image"]["crops"], batches[0]["image"]["crops"])
 
 
+@pytest.mark.slow
 def test_a_loader_with_a_compiled_render_yields_the_eager_loaders_batches(tmp_path):
     """``train.compile: step`` on a GPU hands the loader a compiled render; here under ``aot_eager`` (the same
     operators), so the batches must equal the eager loader's bit for bit."""
@@ -289,6 +290,7 @@ DEVICE_RUN = [
 ]
 
 
+@pytest.mark.slow
 def test_a_device_pipeline_run_trains_checkpoints_and_resumes_to_the_uninterrupted_weights(
     tmp_path, tiny_recipe, write_images, monkeypatch, caplog
 ):

@@ -76,6 +76,7 @@ def calibrate_batch_norm(backbone, dataset):
             m.momentum = 0.1
 
 
+@pytest.mark.slow
 def test_tiny_finetune_learns_and_decays_both_learning_rates(colour_data):
     train, test = colour_data
     backbone, _ = load_backbone(random_init=True, arch="resnet18", stem="cifar", seed=0)

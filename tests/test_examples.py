@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from obow import build_backbone, load_config
@@ -30,6 +31,7 @@ def run_example(name: str, *args, cwd: Path) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.slow
 def test_pretrain_loop_trains_the_student_and_saves_it(tmp_path, tiny_recipe, write_images):
     data = write_images(tmp_path / "images", per_class=8, classes=2, size=32)
     out = tmp_path / "student.pt"
@@ -48,6 +50,7 @@ def test_pretrain_loop_trains_the_student_and_saves_it(tmp_path, tiny_recipe, wr
     assert convs and all(not torch.equal(saved[k], start[k]) for k in convs)  # every convolution was trained
 
 
+@pytest.mark.slow
 def test_extract_features_reads_an_export_and_fits_a_classifier(tiny_run, obow_cli, tmp_path):
     export = tmp_path / "backbone.pth"
     obow_cli("export", "--checkpoint", tiny_run.out / "checkpoint.pt", "--out", export)

@@ -64,6 +64,7 @@ def test_torchvision_fc_is_the_seeded_init_and_the_metadata_says_so(r18, tmp_pat
     assert meta["obow_version"] and meta["views"]["teacher_size"] == 64 and "stem_note" not in meta
 
 
+@pytest.mark.slow
 def test_resnet50_torchvision_export(r50, tmp_path):
     out = tmp_path / "r50.pth"
     export_backbone(r50, out)
@@ -75,6 +76,7 @@ def test_resnet50_torchvision_export(r50, tmp_path):
         torch.testing.assert_close(torchvision_pool5(model, x), ours.eval()(x).pool5)
 
 
+@pytest.mark.slow
 def test_cifar_stem_export_warns_and_loads_into_a_modified_torchvision_model(tmp_path, make_checkpoint):
     ckpt = make_checkpoint(tmp_path / "checkpoint.pt")
     out = tmp_path / "backbone.pth"
@@ -192,6 +194,7 @@ def read_header(path):
 
 
 @pytest.mark.parametrize("network", ["student", "teacher"])
+@pytest.mark.slow
 def test_safetensors_export_loads_into_torchvision_with_load_file(r18, tmp_path, network):
     out = tmp_path / "backbone.safetensors"
     meta = export_backbone(r18, out, network=network)
@@ -308,6 +311,7 @@ def test_detectron2_refuses_a_safetensors_name_before_any_work(tmp_path, obow_cl
     assert not out.exists() and not (tmp_path / "model.safetensors.json").exists()
 
 
+@pytest.mark.slow
 def test_obow_eval_knn_reads_a_safetensors_export(tmp_path, make_checkpoint, colour_folders, obow_cli):
     colour_folders(tmp_path / "data", {"blue": (40, 60, 200), "red": (200, 50, 40)}, {"train": 6, "val": 4})
     ckpt = make_checkpoint(tmp_path / "run" / "checkpoint.pt", size=16)

@@ -70,6 +70,7 @@ def image_files(images):
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["torchvision", "timm"])
+@pytest.mark.slow
 def test_cifar_stem_usage_lines_run_as_printed_give_obows_features(tmp_path, make_checkpoint, images, case):
     usage, expected = export_and_extract(tmp_path, make_checkpoint, images, case)
     scope = {"files": image_files(images)}  # the one name the lines leave to the reader

@@ -31,6 +31,7 @@ def steps(out):
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_extended_with_a_larger_epoch_count(images, tmp_path, caplog):
     out = tmp_path / "run"
     assert pretrain(config(images, "optim.epochs=2"), out)["iteration"] == 6

@@ -43,7 +43,7 @@ CONFIGS = {
     "whole_backward": {"train": {"backward_per_group": False}},
     "mocov2": {"model": {"method": "mocov2"}, "moco": {"queue_size": 32, "bn_splits": 2}},
 }
-FAST = ("kmeans_multiscale", "cutmix", "mocov2")  # the rest run with --runslow
+FAST = ("kmeans_multiscale",)  # the rest run with --runslow
 
 
 def tiny_config(**sections) -> Config:
@@ -123,6 +123,7 @@ def test_the_replayed_step_is_the_eager_step(name):
         assert torch.equal(eager_opt.state[p_eager]["momentum_buffer"], optimizer.state[p]["momentum_buffer"])
 
 
+@pytest.mark.slow
 def test_a_per_step_host_float_frozen_by_the_capture_is_caught(monkeypatch):
     """The comparison can fail: with the teacher momentum passed as a host float (as the eager step does), the
     capture freezes the first one and the replayed teachers drift from the eager ones. (The tape would refuse the

@@ -89,6 +89,7 @@ def test_backbone_key_by_hand():
 
 
 @pytest.mark.parametrize(("naming", "ddp"), [("named", True), ("positional", False)])
+@pytest.mark.slow
 def test_full_model_round_trip(trained, tmp_path, naming, ddp):
     src = tmp_path / "model_net_checkpoint_80.pth.tar"
     torch.save({"epoch": 80, "network": official_model(trained, naming, ddp), "meters": None}, src)
@@ -109,6 +110,7 @@ def test_full_model_round_trip(trained, tmp_path, naming, ddp):
         assert torch.equal(pool5(backbone, x), pool5(getattr(trained, network), x))
 
 
+@pytest.mark.slow
 def test_backbone_only_files(trained, tmp_path, capsys):
     student = trained.student.state_dict()
     x = torch.randn(2, 3, 64, 64)

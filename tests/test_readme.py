@@ -201,6 +201,7 @@ def own_images_flow() -> list[list[str]]:
     return [c for c in COMMANDS if any(IMAGES in w or RUN in w for w in c)]
 
 
+@pytest.mark.slow
 def test_the_own_images_flow_runs_on_tiny_images(tmp_path, monkeypatch, write_images, obow_cli):
     """Pretrain (with :data:`TINY` appended), evaluate beside the random-init baseline (``--with-random-init``),
     export, and the feature extraction example, as the README writes them, in a folder where ``my_images`` holds

@@ -362,6 +362,7 @@ def test_logs_are_set_aside_only_for_a_new_run(tmp_path):
 # ------------------------------------------------------------------------------------------------ 10: run folder
 
 
+@pytest.mark.slow
 def test_a_run_folder_is_read_as_its_newest_checkpoint_that_reads(tmp_path, make_checkpoint, caplog):
     from obow.weights.locate import checkpoint_path
 

@@ -182,6 +182,7 @@ def test_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path, caplo
     assert "it ran on another host" in caplog.text and "elsewhere" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_lock_held_only_by_a_dead_holders_child_is_waited_for_then_named_as_such(tmp_path, caplog, monkeypatch):
     """A dead holder's leftover child (here a ``sleep`` given the lock's descriptor) still holds the ``flock``:
     the lock is taken once the child lets go, or refused naming the leftover, never the dead process as if alive."""
@@ -311,6 +312,7 @@ def deliver(signum: int) -> None:
         pass
 
 
+@pytest.mark.slow
 def test_first_signal_is_noted_a_repeat_at_once_is_the_same_and_a_later_one_aborts(caplog):
     """Where a parent passes signals on (torchrun's window; alone, a second signal aborts at once:
     test_run_faults.py)."""

@@ -174,6 +174,7 @@ def test_grid_and_html_hold_every_patch(tmp_path):
     assert all((tmp_path / src).is_file() for src in re.findall(r'src="([^"]+)"', page))
 
 
+@pytest.mark.slow
 def test_show_run_plots_a_real_run_and_overlays_two(tiny_run, tmp_path, obow_cli):
     out = tiny_run.out
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]

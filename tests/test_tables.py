@@ -123,6 +123,7 @@ def _tiny_table(tmp_path, write_images):
     return recipe, data, tmp_path / "tables"
 
 
+@pytest.mark.slow
 def test_tiny_minutes_table_with_two_seeds_plans_trains_and_aggregates(tmp_path, write_images, obow_cli):
     recipe, data, out = _tiny_table(tmp_path, write_images)
     args = ["tables", "run", "table3", "--data", data, "--minutes", "0.001", "--recipe", recipe, "--out", out]
@@ -267,6 +268,7 @@ def test_time_against_plans_a_lever_that_changes_the_step_at_the_base_rows_secon
     assert nowhere.code == 2 and "no plan.json there" in nowhere.err
 
 
+@pytest.mark.slow
 def test_shared_from_takes_the_rows_another_table_has_in_common_and_times_the_others_against_one(
     tmp_path, write_images, obow_cli
 ):
@@ -447,6 +449,7 @@ def test_results_from_continues_a_published_table_on_another_machine_without_ret
     assert nothing.code == 2 and "needs table.json and plan.json" in nothing.err
 
 
+@pytest.mark.slow
 def test_a_table_keeps_the_precision_it_was_planned_at_on_any_machine(tmp_path, write_images, obow_cli, monkeypatch):
     """Rows are compared only at one precision: a table's plan.json records it, and a machine that would choose
     another for train.precision=auto (bf16 where native) continues the table at the plan's."""
@@ -651,6 +654,7 @@ def test_compare_levers_pairs_each_row_with_the_base_of_the_same_seed(tmp_path, 
     assert "+2.50 (1) vs base" in out
 
 
+@pytest.mark.slow
 def test_status_reads_each_row_and_seed_from_the_folder_and_sums_the_minutes_left(
     tmp_path, write_images, obow_cli, make_checkpoint
 ):

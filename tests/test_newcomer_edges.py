@@ -3,6 +3,7 @@
 import json
 import logging
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 from obow.cli import main
 from obow.config import load_config
 from obow.evaluate.linear import preset_for_arch
+from obow.notices import ObowWarning
 from obow.weights.load import load_backbone
 
 V1 = Path(__file__).parent / "data" / "v1_run"
@@ -473,3 +475,47 @@ def test_a_log_line_during_a_progress_bar_starts_on_its_own_line(monkeypatch, ca
     err = capsys.readouterr().err
     assert err.count("a warning mid-epoch") == 1
     assert err[: err.index("a warning mid-epoch")].endswith(("\r", "\n"))  # the bar cleared first, not "...it/s]a"
+
+
+def correlated_features(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """64-d features of 4 classes, every dimension the same shared factor plus a weak class signal and noise: batch
+    norm leaves them strongly correlated (the top eigenvalue of their second moment about 33), as a small network's
+    pool5 features are, so that the resnet18 preset's lr 10 diverges from the first steps."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.arange(n) % 4
+    shared = torch.randn(n, 1, generator=g)
+    signal = torch.nn.functional.one_hot(labels, 4).float().repeat(1, 16)
+    return shared + 0.3 * signal + torch.randn(n, 64, generator=g), labels
+
+
+def test_the_tables_linear_probe_is_capped_at_a_stable_rate_and_a_diverged_one_is_no_score(monkeypatch):
+    """The tables' protocol ran the resnet18 preset at lr 10 as it is; on batch-normed features of a small network
+    that diverges at once (CIFAR-10 features of cifar10_fast at random init: 25.35 against 29.30 at the stable
+    rate, seed 0). It is now capped as `obow eval linear` caps it, says the rate, and a probe that diverges anyway
+    gives no score (a note instead)."""
+    from obow.evaluate.linear import preset_settings, stable_lr, train_linear_probe
+    from obow.evaluate.protocol import evaluate_features
+
+    train_x, train_y = correlated_features(800, 0)
+    test_x, test_y = correlated_features(400, 1)
+    settings = preset_settings("resnet18")
+    cap = stable_lr(train_x, 4, settings["momentum"], batch_norm=True)
+    assert cap < settings["lr"] / 10
+    with pytest.warns(ObowWarning, match="the linear probe diverged at lr 10"):
+        as_before = train_linear_probe([train_x], train_y, test_x, test_y, **settings, batch_norm=True)
+    assert as_before["diverged"] is not None  # what every table's linear column was until this test
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ObowWarning)  # no divergence now
+        scores = evaluate_features(train_x, train_y, test_x, test_y, k=20, episodes=5)
+    assert scores["linear_lr"] == pytest.approx(cap)
+    assert scores["linear"] > 45.0  # chance is 25
+
+    from obow.evaluate import protocol
+
+    def diverging(*args, **kwargs):
+        return {"top1": 10.0, "diverged": "its training loss rose (a stand-in)"}
+
+    monkeypatch.setattr(protocol, "train_linear_probe", diverging)
+    scores = evaluate_features(train_x, train_y, test_x, test_y, k=20, episodes=5)
+    assert "linear" not in scores
+    assert f"linear not measured: the probe diverged at lr {cap:.3g}" in scores["notes"]

@@ -277,7 +277,7 @@ def test_a_dry_run_of_the_call_probes_chooses_copies_as_it_grows_and_returns_cur
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}", "XDG_CACHE_HOME": str(tmp_path / "cache")}
     command = [
         sys.executable, str(SCRIPT), "run", "--data", str(data), "--out", str(out),
-        "--runs", str(tmp_path / "runs"), "--deadline", "80", "--recipe", str(recipe), "--step", "auto",
+        "--runs", str(tmp_path / "runs"), "--deadline", "60", "--recipe", str(recipe), "--step", "auto",
         "--batch", "0", "--min-epochs", "100000", "--epochs", "100000", "--curve-every", "2", "--probe-s", "30",
         "--probe-measure", "2", "--warmup-steps", "2", "--decode-sample", "5", "--copy-every", "1", "--stop-s", "15",
         "--extra", "train.log_every=1",
@@ -296,7 +296,7 @@ def test_a_dry_run_of_the_call_probes_chooses_copies_as_it_grows_and_returns_cur
     summary = (out / "summary.txt").read_text()
     assert "step graph: not tried" in summary or "step graph (" in summary  # a tree with or without it
     assert "100000 epochs do NOT fit" in summary and "--epochs 100000 given" in summary
-    assert "table: stopped (the deadline (80.0 s) less 15 s)" in summary
+    assert "table: stopped (the deadline (60.0 s) less 15 s)" in summary
     claimed = json.loads((out / "claim.json").read_text())
     probe = next(p for p in claimed["probes"] if p["seconds_per_step"] is not None)
     assert probe["step"] == "off" and set(probe["rows"]) == {"obow_full", "moco_v2_our_aug"}

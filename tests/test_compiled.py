@@ -103,6 +103,7 @@ def test_pretrain_refuses_rotnet_in_one_line(obow_cli, tiny_recipe, tmp_path):
 
 
 @pytest.mark.parametrize(("mode", "networks_compiled"), [("off", False), ("networks", True), ("step", False)])
+@pytest.mark.slow
 def test_only_networks_compiles_the_networks(mode, networks_compiled):
     """``off`` is a non-empty string: the networks are compiled for ``networks`` only (``step`` compiles the step)."""
     from obow.training.build import prepare_step_model

@@ -329,6 +329,7 @@ def test_a_device_pipeline_run_trains_checkpoints_and_resumes_to_the_uninterrupt
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.slow
 def test_the_device_and_worker_pipelines_train_the_same_recipe(
     tmp_path, tiny_recipe, write_images, read_log, monkeypatch
 ):
@@ -393,6 +394,7 @@ def test_both_pipelines_name_each_skipped_image_with_its_reason(tmp_path, monkey
         assert broken.startswith("not an image Pillow can identify")
 
 
+@pytest.mark.slow
 def test_an_auto_pipeline_is_recorded_and_a_resume_keeps_it_on_another_device(
     tmp_path, tiny_recipe, write_images, monkeypatch, caplog
 ):

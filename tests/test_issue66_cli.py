@@ -43,6 +43,7 @@ def test_pretrain_without_a_recipe_is_refused_in_one_line(tmp_path, write_images
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_the_estimate_is_what_a_real_step_of_the_batch_keeps(tiny_recipe):
     """The step traced on fake tensors at the whole batch keeps, byte for byte, what a real step of that batch
     keeps for its backward pass (counted the same way), and counts the same floating-point operations."""

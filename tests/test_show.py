@@ -223,6 +223,7 @@ def test_show_run_plots_a_real_run_and_overlays_two(tiny_run, tmp_path, obow_cli
         read_run(tmp_path / "empty")
 
 
+@pytest.mark.slow
 def test_show_run_takes_a_demo_folder_for_the_run_inside_it(tiny_run, tmp_path, obow_cli):
     """``obow demo`` trains in ``runs/demo/pretrain``: ``obow show run runs/demo`` draws that run (issue 39)."""
     demo = tmp_path / "demo"

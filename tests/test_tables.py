@@ -360,6 +360,7 @@ def test_markdown_names_the_changes_made_to_every_row():
     assert "Changes to the recipe for every row: `model.teacher_momentum=0.9`, `model.num_words=256`." in text
 
 
+@pytest.mark.slow
 def test_tiny_table3_run_writes_the_table_and_resumes_without_retraining(tmp_path, write_images, obow_cli):
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(TWO_LEVEL_RECIPE)

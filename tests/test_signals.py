@@ -42,7 +42,7 @@ CHILD = textwrap.dedent(
 )
 
 
-def send_two(gap: float, seconds: float = 1.0, second: signal.Signals = signal.SIGINT) -> str:
+def send_two(gap: float, seconds: float = 2.0, second: signal.Signals = signal.SIGINT) -> str:
     """A SIGINT, then ``second`` ``gap`` seconds later, to a child inside a ``seconds``-long C call; what the child
     said."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -273,7 +273,7 @@ def run_knn(args: argparse.Namespace) -> int:
 
 def run_linear(args: argparse.Namespace) -> int:
     """Linear probe trained on centre-crop and flipped features of ``train/``, tested on ``val/``."""
-    from obow.evaluate.linear import preset_for_arch, preset_settings, stable_lr, train_linear_probe
+    from obow.evaluate.linear import capped_lr, preset_for_arch, preset_settings, train_linear_probe
 
     run = _Run(args, "linear")
     preset = args.preset or preset_for_arch(run.info["arch"])
@@ -288,7 +288,7 @@ def run_linear(args: argparse.Namespace) -> int:
     classes = len(train_images.classes)
     preset_lr = settings["lr"]
     if args.lr is None:  # the preset's rate, for ImageNet's classes and features, lowered where these diverge at once
-        settings["lr"] = min(preset_lr, stable_lr(train_x, classes, settings["momentum"], args.batch_norm))
+        settings["lr"] = capped_lr(preset_lr, train_x, classes, settings["momentum"], args.batch_norm)
         if settings["lr"] < preset_lr:
             print(
                 f"linear: lr {settings['lr']:.3g}, not the {preset} preset's {preset_lr:g}: with these features and "

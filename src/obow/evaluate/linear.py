@@ -259,6 +259,13 @@ def stable_lr(features: Tensor, num_classes: int, momentum: float = 0.9, batch_n
     return (1.0 + momentum) * num_classes / max(lam, 1e-12)
 
 
+def capped_lr(lr: float, features: Tensor, num_classes: int, momentum: float = 0.9, batch_norm: bool = False) -> float:
+    """``lr`` (a preset's, set for ImageNet's classes and features), or :func:`stable_lr` of these features where
+    that is lower: the rate every probe of obow takes unless the user gives one (``obow eval linear``, the tables'
+    protocol)."""
+    return min(lr, stable_lr(features, num_classes, momentum, batch_norm))
+
+
 #: Rows of the features :func:`stable_lr` estimates ``E[x x^T]`` from, and its power-iteration steps.
 STABLE_LR_ROWS = 16384
 POWER_STEPS = 100

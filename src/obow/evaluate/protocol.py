@@ -26,7 +26,7 @@ from obow.diagnostics import feature_diagnostics
 from obow.evaluate.features import extract_features
 from obow.evaluate.fewshot import default_ways, prototype_accuracy, sample_episodes
 from obow.evaluate.knn import knn_accuracy
-from obow.evaluate.linear import preset_settings, stable_lr, train_linear_probe
+from obow.evaluate.linear import capped_lr, preset_settings, train_linear_probe
 
 
 def evaluate_features(
@@ -55,7 +55,7 @@ def evaluate_features(
         classes_seen = int(train_y.max()) + 1
         # the preset's rate (ImageNet's) diverges at once on small sets' batch-normed features (lr 10 against a
         # stable 0.24 on CIFAR-10 features of cifar10_fast at random init): capped as `obow eval linear` caps it
-        lr = min(settings["lr"], stable_lr(train_x, classes_seen, settings["momentum"], batch_norm=True))
+        lr = capped_lr(settings["lr"], train_x, classes_seen, settings["momentum"], batch_norm=True)
         probe = train_linear_probe(
             [train_x],
             train_y,

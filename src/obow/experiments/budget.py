@@ -334,7 +334,7 @@ def time_protocol(dim: int, train_images: int, test_images: int, threads: int, c
     from obow.diagnostics import feature_diagnostics
     from obow.evaluate.fewshot import default_ways, prototype_accuracy, sample_episodes
     from obow.evaluate.knn import knn_accuracy
-    from obow.evaluate.linear import preset_settings, stable_lr, train_linear_probe
+    from obow.evaluate.linear import capped_lr, preset_settings, train_linear_probe
     from obow.notices import ObowWarning
 
     generator = torch.Generator().manual_seed(0)
@@ -351,7 +351,7 @@ def time_protocol(dim: int, train_images: int, test_images: int, threads: int, c
     seconds: dict[str, float] = {}
     try:
         start = time.perf_counter()  # the protocol's rate first (a power iteration), then one epoch at it
-        settings["lr"] = min(settings["lr"], stable_lr(train_x, classes, settings["momentum"], batch_norm=True))
+        settings["lr"] = capped_lr(settings["lr"], train_x, classes, settings["momentum"], batch_norm=True)
         rate_s = time.perf_counter() - start
         start = time.perf_counter()
         with warnings.catch_warnings():  # random features: whether this one epoch diverges says nothing

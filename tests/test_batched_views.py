@@ -456,6 +456,50 @@ def test_the_patch_and_teacher_views_are_pillows_on_200_views(kind):
     assert 0.97 <= np.median(ratios) <= 1.03
 
 
+def reads_only_the_box(start: torch.Tensor, length: torch.Tensor, out: int) -> torch.Tensor:
+    """Which of ``out`` output pixels of enlarged boxes ``[*]`` (``length <= out``) read only the box: bilinear
+    sampling (Pillow's triangle of reach 1, and roi_align's) reads the two pixels around the output pixel's centre,
+    inside the box when the centre is at least half a pixel inside it (``benchmarks/render_change.py``)."""
+    centre = start[..., None] + (torch.arange(out, dtype=torch.float64) + 0.5) * (length / out)[..., None]
+    return (centre >= start[..., None] + 0.5 - 1e-9) & (centre <= (start + length)[..., None] - 0.5 + 1e-9)
+
+
+def test_cifar10_sized_views_moved_from_roi_aligns_by_the_rounding_alone():
+    """Today's render against what rendered before (torchvision's roi_align, in floats) on 32-px images, CIFAR-10's
+    size (parts of the photos shrunk by Pillow), with ``cifar10_fast``'s views: every view is an enlargement there,
+    where both filters are bilinear, so the views differ by today's two roundings to the 8-bit grid alone (half a
+    level per pass: at most a level) wherever roi_align read only the box, and the teacher's everywhere (both read
+    the whole image). At a crop's edge roi_align read beyond the box, where today's view is Pillow's: tens of
+    levels apart there. On 1,024 CIFAR-10 images: ``benchmarks/render_change.py`` (docs/results/render_cpu.md)."""
+    from torchvision.ops import roi_align
+
+    cfg = views_cfg()
+    parts = [photo(name)[60 * i : 60 * i + 180, 90 * i : 90 * i + 200] for name in ("china.jpg", "flower.jpg")
+             for i in range(4)]  # fmt: skip
+    images = torch.stack([batch_of(np.array(Image.fromarray(p).resize((32, 32), Image.BILINEAR)), 1)[0] for p in parts])
+    params = BatchedViews(cfg, side=32).draw(len(images), torch.Generator().manual_seed(0))
+    whole = torch.tensor([[[0, 0, 32, 32]]]).expand(len(images), 1, 4)
+    for kind, boxes, size, bounds in [("teacher", params.teacher_box[:, None], cfg.teacher_size, whole),
+                                      ("crops", params.crops.boxes, cfg.crop_size, None),
+                                      ("patch grid", params.grid.boxes, cfg.patch_grid_size, None)]:  # fmt: skip
+        assert (boxes[..., 2:] <= size).all(), kind  # enlargements
+        top, left, height, width = boxes.reshape(-1, 4).float().unbind(1)
+        owner = torch.arange(len(images)).repeat_interleave(boxes.shape[1]).float()
+        rois = torch.stack([owner, left, top, left + width, top + height], dim=1)
+        before = roi_align(images.float(), rois, output_size=size, sampling_ratio=-1, aligned=True)
+        moved = (resized_crops(images, boxes, size, bounds).flatten(0, 1) - before).abs()
+        if kind == "teacher":
+            inside = torch.ones_like(moved, dtype=torch.bool)
+        else:
+            b = boxes.reshape(-1, 4).double()
+            rows, cols = reads_only_the_box(b[:, 0], b[:, 2], size), reads_only_the_box(b[:, 1], b[:, 3], size)
+            inside = (rows[:, :, None] & cols[:, None, :])[:, None].expand_as(moved)
+        assert moved[inside].max() <= 1.01, kind  # a level, and float32's rounding of roi_align's sample positions
+        assert 0.2 < moved[inside].mean() < 0.4, kind  # about a quarter of a level per rounding
+        if kind == "crops":
+            assert moved[~inside].max() > 10
+
+
 def pil_box_pass(line: np.ndarray, sigma: float) -> np.ndarray:
     """One of the three box passes of Pillow's ``ImageFilter.GaussianBlur(sigma)`` along the last axis, in float64
     without its rounding to 8 bits (``BoxBlur.c``): the box's integer radius ``r`` and fraction ``f`` from

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from obow.config import load_config
 
@@ -351,6 +352,28 @@ def test_render_times_the_render_of_a_git_commit_beside_todays(capsys):
     assert "the render at HEAD" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="needs --baseline"):
         render.main(["--config", "cifar10_fast", "--device", "cpu", "data.batch_size=4", "--modes", "baseline"])
+
+
+def test_render_change_compares_the_views_with_a_commits_and_pillows(tmp_path, write_images, capsys):
+    """``render_change.py`` on a few images against the render at HEAD: nothing moved; today's crops and colour
+    jitter against Pillow's within its rounding; a folder of several sizes is refused in one line."""
+    render_change = load_script("render_change")
+    folder = write_images(tmp_path / "images", per_class=3, size=32)
+    out = tmp_path / "change.json"
+    result = render_change.main(["--config", "cifar10_fast", "--folder", str(folder), "--baseline", "HEAD",
+                                 "--images", "5", "--json", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == result and result["images"] == 5 and result["size"] == [32, 32]
+    for kind in ("teacher", "crops", "patch grid"):
+        assert result["resampling"][kind]["today_vs_baseline"]["max"] == 0.0, kind
+        assert result["resampling"][kind]["today_vs_pillow"]["max"] <= 2.0, kind
+    assert result["resampling"]["crops"]["inside_share"] > 0.5
+    assert all(v["max"] == 0.0 for v in result["views"].values())
+    assert result["jitter"]["today"] == result["jitter"]["baseline"]
+    assert result["jitter"]["today"]["pillows_level_for_level"] == "10/10"
+    assert "today against HEAD and Pillow" in capsys.readouterr().out
+    Image.new("RGB", (40, 32)).save(folder / "wide.png")
+    with pytest.raises(SystemExit, match="several sizes"):
+        render_change.main(["--config", "cifar10_fast", "--folder", str(folder), "--baseline", "HEAD"])
 
 
 def test_monitor_times_reading_and_keeping_monitors_on_the_same_backbone(tmp_path, tiny_recipe, write_images):

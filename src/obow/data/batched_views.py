@@ -21,12 +21,18 @@ area, aspect, centre, reach outside the central square, upsampled share, area ou
 and grey rates) agreed with the worker pipeline's by two-sample tests over 600 images (smallest p 0.026)
 (docs/results/views_distribution.json; ``tests/test_device_views_distribution.py``). The pixels are Pillow's, as
 the worker pipeline makes them (``tests/test_batched_views.py``, on two photos): the resampling is Pillow's
-antialiased bilinear filter (:func:`resized_crops`; 240 boxes reduced 1x-4x: 0.03 levels of 255 off per pixel on
-average, gradient energy 1.000x Pillow's, median), the colour jitter and grayscale bring each result to the 8-bit
-grid as Pillow does (level for level on every view tried: the same mean brightness), and the blur is PIL's own (three
-extended box blurs along each axis, of variance sigma squared at every sigma) in floats, within the 3 levels of
-255 that PIL's rounding adds. On square images of one size (CIFAR-10) the draws are those of the square cache
-before.
+antialiased bilinear filter (:func:`resized_crops`; 240 views of each kind reduced 1x-4x against Pillow's of the
+same box: crops 0.03, patch views 0.008, teacher views 0.001 levels of 255 off per pixel on average, gradient energy
+1.000x Pillow's for each, median), the colour jitter and grayscale bring each result to the 8-bit grid as Pillow
+does (the tests' views and 2,048 CIFAR-10 crops level for level: the same mean brightness; the hue's conversion
+back, in float32 where Pillow's is in double, can round a near-tie the other way: one pixel a level off in another
+1,024 crops), and the blur is PIL's own (three extended box blurs along each axis, of variance sigma squared at every
+sigma) in floats, within the 3 levels of 255 that PIL's rounding adds. On square images of one size (CIFAR-10) the
+draws are those of the square cache before, and the views moved from that render's (6aa5d3d: ``roi_align``, float
+colour) by the 8-bit rounding: at most a level in the teacher's view and wherever ``roi_align`` read only the box,
+tens of levels at a crop's edge, where it read beyond the box and the view is now Pillow's; the jitter's rounding
+makes the student's views about a level darker on average (``benchmarks/render_change.py`` on 1,024 CIFAR-10
+images, docs/results/render_cpu.md).
 """
 
 from __future__ import annotations
@@ -256,12 +262,15 @@ def resized_crops(images: Tensor, boxes: Tensor, size: int, bounds: Tensor | Non
     image followed by a crop (the teacher's view). Separable, as Pillow's: a horizontal pass then a vertical one
     (:func:`axis_weights`), each a batched matrix product over the padded batch (weights are 0 outside ``bounds``, so
     the padding is never read) and each brought to the 8-bit grid as Pillow stores its passes (:func:`to_levels`).
-    Against Pillow on photos (``tests/test_batched_views.py``): the same levels, but where Pillow 13 runs the
-    vertical pass first (some reductions of tall boxes; Pillow before 13 never did), pixels a level off;
-    ``roi_align``, what rendered before, was 1.3 levels off on average and sharper (1.17x Pillow's gradient
-    energy). On a GPU with ``train.tf32`` the products round the weights to TF32's 10 bits: a level off in a few
-    pixels. Cost: the products read the whole padded image once per view (``B * m * size * 3 * H * W``
-    multiply-adds for the first pass), where ``roi_align`` read only the box."""
+    Against Pillow (``tests/test_batched_views.py``): on 240 boxes of photos reduced 1x-4x, 3.1 % of the pixel
+    values a level off, and all but 0.1 % (of all values) Pillow's with the two passes swapped: Pillow 13 runs some
+    reductions vertical pass first (Pillow before 13 never did); on CIFAR-10's enlarged crops 1.2 % a level off and
+    a few pixels two, near-ties of Pillow's 22-bit fixed point that float32 weights and sums round the other way
+    (float64 sums leave a third of them). ``roi_align``, what rendered before, was 1.3 levels off on average and
+    sharper (gradient energy 1.17x Pillow's for crops, 1.27x for patch views, 1.30x for teacher views, median;
+    ``tests/test_batched_views.py``'s slow tests' views). On a GPU with ``train.tf32`` the products round the
+    weights to TF32's 10 bits: a level off in a few pixels. Cost: the products read the whole padded image once per
+    view (``B * m * size * 3 * H * W`` multiply-adds for the first pass), where ``roi_align`` read only the box."""
     _, _, height, width = images.shape
     boxes = boxes.to(images.device, torch.float64)
     bounds = boxes if bounds is None else bounds.to(images.device, torch.float64)

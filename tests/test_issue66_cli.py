@@ -187,6 +187,8 @@ def test_a_diverged_linear_probe_is_one_error_line_not_an_accuracy(tiny_run, obo
     (line,) = error_lines(result.err)
     assert line.startswith("obow: error: the linear probe diverged at lr 1e+06: its training loss ")
     assert "no accuracy is reported" in line and "top-1" not in result.out
+    # said once, in the error line: the library's warning of the same divergence was a second line before it
+    assert [text for text in result.err.splitlines() if "diverged" in text] == [line]
     report = json.loads(out.read_text())
     assert "top1" not in report["results"] and report["results"]["diverged"] in line
 

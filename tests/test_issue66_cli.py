@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import zipfile
@@ -327,10 +328,14 @@ def test_bytes_flipped_in_the_pickle_are_reported_as_damage(tiny_run, tmp_path):
     data = bytearray(tiny_run.checkpoint.read_bytes())
     with zipfile.ZipFile(tiny_run.checkpoint) as archive:
         info = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
-    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)  # the pickle's first bytes
+    # the pickle's first byte: after the local header, whose name and extra field (torch.save pads each file to 64
+    # bytes there; the central directory's info.extra is empty) have the lengths the header itself records
+    name_length, extra_length = struct.unpack_from("<HH", data, info.header_offset + 26)
+    start = info.header_offset + 30 + name_length + extra_length
+    assert data[start : start + 2] == b"\x80\x02"  # PROTO 2
     original = load_checkpoint(tiny_run.checkpoint)
     seen = set()
-    for offset in range(start, start + 120):
+    for offset in range(start, start + 64):  # the protocol, "format", its value and "version" with its value
         flipped = bytearray(data)
         flipped[offset] ^= 0xFF
         path.write_bytes(flipped)

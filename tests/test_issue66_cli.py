@@ -293,6 +293,54 @@ def test_out_of_memory_in_eval_is_one_line(tiny_run, obow_cli, monkeypatch, tmp_
     assert "--batch-size (images per batch, now 256)" in line and "DefaultCPUAllocator" not in result.err
 
 
+def python_out_of_memory(*args, **kwargs):
+    raise MemoryError()
+
+
+@pytest.mark.parametrize("fail", [allocate, python_out_of_memory])
+def test_out_of_memory_in_tables_run_is_one_line(obow_cli, monkeypatch, tmp_path, fail):
+    """``obow tables run`` trains runs as ``pretrain`` does: the allocator's text was its line, Python's
+    ``MemoryError`` a traceback."""
+    from obow.experiments import tables
+
+    monkeypatch.setattr(tables, "run_table", fail)
+    result = obow_cli("tables", "run", "table1", "--data", tmp_path, "--minutes", 1, check=False)
+    assert result.code == 2
+    (line,) = error_lines(result.err)
+    assert line.startswith("obow: error: out of memory during training") and "lower data.batch_size" in line
+    assert "DefaultCPUAllocator" not in result.err and "Traceback" not in result.err
+
+
+def test_out_of_memory_in_a_tables_job_is_one_line(monkeypatch, caplog):
+    """A ``--jobs`` process (the body :func:`_task_process` runs in its own process) says its out-of-memory error
+    in one line and exits with 2, where its traceback was printed before the line naming the failed task."""
+    from obow.experiments.tables import run as table_run
+
+    monkeypatch.setattr(table_run, "_run_task", allocate)
+    monkeypatch.setattr(table_run, "route_warnings", lambda: None)
+    threads = torch.get_num_threads()
+    try:
+        with caplog.at_level("ERROR", logger="obow"), pytest.raises(SystemExit) as stop:
+            table_run._task_process(("table1/row/seed0",), threads)
+    finally:
+        torch.set_num_threads(threads)
+    assert stop.value.code == 2
+    (line,) = caplog.messages
+    assert line.startswith("out of memory during training (it asked for 1152921504606846976 bytes more)")
+
+
+def test_out_of_memory_in_any_other_command_is_one_line(obow_cli, monkeypatch):
+    """Where a command has no line of its own for it (``obow recipes`` here), an out-of-memory error is still one
+    line, not Python's traceback of a ``MemoryError`` nor the allocator's text."""
+    import obow.config
+
+    monkeypatch.setattr(obow.config, "available_recipes", python_out_of_memory)
+    result = obow_cli("recipes", check=False)
+    assert result.code == 2
+    (line,) = error_lines(result.err)
+    assert line.startswith("obow: error: out of memory: ") and "Traceback" not in result.err
+
+
 # ------------------------------------------------------------------------------------------------------ 9: smaller
 
 

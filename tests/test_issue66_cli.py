@@ -270,6 +270,37 @@ def test_out_of_memory_building_the_image_cache_names_the_cache(tiny_recipe):
     assert cost.out_of_memory(ValueError("x"), load_config(tiny_recipe)) is None
 
 
+def out_of_memory_through(*files: str) -> str:
+    """The line for a ``MemoryError`` raised in a frame of the last of ``files``, called from a frame of each one
+    before it, the first outermost."""
+
+    def extract():
+        raise MemoryError()
+
+    call = extract
+    for file in reversed(files):
+        scope: dict = {}
+        exec(compile("def frame(inner):\n    inner()\n", file, "exec"), scope)
+        call = (lambda frame, inner: lambda: frame(inner))(scope["frame"], call)
+    try:
+        call()
+    except MemoryError as err:
+        return str(cost.out_of_memory(err, None))
+    raise AssertionError("no error")
+
+
+def test_out_of_memory_in_an_evaluation_after_training_is_not_blamed_on_the_monitor():
+    """Features extracted by the kNN monitor between epochs, and by the demo or a table after training: only the
+    monitor's are the --val images' and go with train.knn_every."""
+    from obow.evaluate import features, monitor
+    from obow.experiments import demo
+
+    line = out_of_memory_through(monitor.__file__, features.__file__)
+    assert line.startswith("out of memory in the kNN monitor (its --val images' features): use fewer --val images")
+    line = out_of_memory_through(demo.__file__, features.__file__)
+    assert line.startswith("out of memory evaluating the trained network's features: ") and "--val" not in line
+
+
 def test_out_of_memory_in_the_demo_is_one_line(obow_cli, monkeypatch, tmp_path):
     from obow.experiments import demo
 

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import zipfile
@@ -187,6 +188,8 @@ def test_a_diverged_linear_probe_is_one_error_line_not_an_accuracy(tiny_run, obo
     (line,) = error_lines(result.err)
     assert line.startswith("obow: error: the linear probe diverged at lr 1e+06: its training loss ")
     assert "no accuracy is reported" in line and "top-1" not in result.out
+    # said once, in the error line: the library's warning of the same divergence was a second line before it
+    assert [text for text in result.err.splitlines() if "diverged" in text] == [line]
     report = json.loads(out.read_text())
     assert "top1" not in report["results"] and report["results"]["diverged"] in line
 
@@ -267,6 +270,37 @@ def test_out_of_memory_building_the_image_cache_names_the_cache(tiny_recipe):
     assert cost.out_of_memory(ValueError("x"), load_config(tiny_recipe)) is None
 
 
+def out_of_memory_through(*files: str) -> str:
+    """The line for a ``MemoryError`` raised in a frame of the last of ``files``, called from a frame of each one
+    before it, the first outermost."""
+
+    def extract():
+        raise MemoryError()
+
+    call = extract
+    for file in reversed(files):
+        scope: dict = {}
+        exec(compile("def frame(inner):\n    inner()\n", file, "exec"), scope)
+        call = (lambda frame, inner: lambda: frame(inner))(scope["frame"], call)
+    try:
+        call()
+    except MemoryError as err:
+        return str(cost.out_of_memory(err, None))
+    raise AssertionError("no error")
+
+
+def test_out_of_memory_in_an_evaluation_after_training_is_not_blamed_on_the_monitor():
+    """Features extracted by the kNN monitor between epochs, and by the demo or a table after training: only the
+    monitor's are the --val images' and go with train.knn_every."""
+    from obow.evaluate import features, monitor
+    from obow.experiments import demo
+
+    line = out_of_memory_through(monitor.__file__, features.__file__)
+    assert line.startswith("out of memory in the kNN monitor (its --val images' features): use fewer --val images")
+    line = out_of_memory_through(demo.__file__, features.__file__)
+    assert line.startswith("out of memory evaluating the trained network's features: ") and "--val" not in line
+
+
 def test_out_of_memory_in_the_demo_is_one_line(obow_cli, monkeypatch, tmp_path):
     from obow.experiments import demo
 
@@ -288,6 +322,54 @@ def test_out_of_memory_in_eval_is_one_line(tiny_run, obow_cli, monkeypatch, tmp_
     (line,) = error_lines(result.err)
     assert line.startswith("obow: error: out of memory in obow eval knn (it asked for 1152921504606846976 bytes")
     assert "--batch-size (images per batch, now 256)" in line and "DefaultCPUAllocator" not in result.err
+
+
+def python_out_of_memory(*args, **kwargs):
+    raise MemoryError()
+
+
+@pytest.mark.parametrize("fail", [allocate, python_out_of_memory])
+def test_out_of_memory_in_tables_run_is_one_line(obow_cli, monkeypatch, tmp_path, fail):
+    """``obow tables run`` trains runs as ``pretrain`` does: the allocator's text was its line, Python's
+    ``MemoryError`` a traceback."""
+    from obow.experiments import tables
+
+    monkeypatch.setattr(tables, "run_table", fail)
+    result = obow_cli("tables", "run", "table1", "--data", tmp_path, "--minutes", 1, check=False)
+    assert result.code == 2
+    (line,) = error_lines(result.err)
+    assert line.startswith("obow: error: out of memory during training") and "lower data.batch_size" in line
+    assert "DefaultCPUAllocator" not in result.err and "Traceback" not in result.err
+
+
+def test_out_of_memory_in_a_tables_job_is_one_line(monkeypatch, caplog):
+    """A ``--jobs`` process (the body :func:`_task_process` runs in its own process) says its out-of-memory error
+    in one line and exits with 2, where its traceback was printed before the line naming the failed task."""
+    from obow.experiments.tables import run as table_run
+
+    monkeypatch.setattr(table_run, "_run_task", allocate)
+    monkeypatch.setattr(table_run, "route_warnings", lambda: None)
+    threads = torch.get_num_threads()
+    try:
+        with caplog.at_level("ERROR", logger="obow"), pytest.raises(SystemExit) as stop:
+            table_run._task_process(("table1/row/seed0",), threads)
+    finally:
+        torch.set_num_threads(threads)
+    assert stop.value.code == 2
+    (line,) = caplog.messages
+    assert line.startswith("out of memory during training (it asked for 1152921504606846976 bytes more)")
+
+
+def test_out_of_memory_in_any_other_command_is_one_line(obow_cli, monkeypatch):
+    """Where a command has no line of its own for it (``obow recipes`` here), an out-of-memory error is still one
+    line, not Python's traceback of a ``MemoryError`` nor the allocator's text."""
+    import obow.config
+
+    monkeypatch.setattr(obow.config, "available_recipes", python_out_of_memory)
+    result = obow_cli("recipes", check=False)
+    assert result.code == 2
+    (line,) = error_lines(result.err)
+    assert line.startswith("obow: error: out of memory: ") and "Traceback" not in result.err
 
 
 # ------------------------------------------------------------------------------------------------------ 9: smaller
@@ -325,10 +407,14 @@ def test_bytes_flipped_in_the_pickle_are_reported_as_damage(tiny_run, tmp_path):
     data = bytearray(tiny_run.checkpoint.read_bytes())
     with zipfile.ZipFile(tiny_run.checkpoint) as archive:
         info = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
-    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)  # the pickle's first bytes
+    # the pickle's first byte: after the local header, whose name and extra field (torch.save pads each file to 64
+    # bytes there; the central directory's info.extra is empty) have the lengths the header itself records
+    name_length, extra_length = struct.unpack_from("<HH", data, info.header_offset + 26)
+    start = info.header_offset + 30 + name_length + extra_length
+    assert data[start : start + 2] == b"\x80\x02"  # PROTO 2
     original = load_checkpoint(tiny_run.checkpoint)
     seen = set()
-    for offset in range(start, start + 120):
+    for offset in range(start, start + 64):  # the protocol, "format", its value and "version" with its value
         flipped = bytearray(data)
         flipped[offset] ^= 0xFF
         path.write_bytes(flipped)

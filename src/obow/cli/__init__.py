@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with logging_redirect_tqdm() if console else contextlib.nullcontext():
             return int(args.func(args) or 0)
-    except (ValueError, RuntimeError) as err:  # ConfigError is a ValueError, WriteError a RuntimeError
-        tqdm.write(f"obow: error: {one_line(err)}", file=sys.stderr)  # on its own line, a bar still open or not
+    except (ValueError, RuntimeError, MemoryError) as err:  # ConfigError is a ValueError, WriteError a RuntimeError
+        line = out_of_memory_line(err) or one_line(err)
+        tqdm.write(f"obow: error: {line}", file=sys.stderr)  # on its own line, a bar still open or not
         return 2
     except OSError as err:  # a file operation that no command wraps with its own message
         tqdm.write(f"obow: error: {os_error_line(err)}", file=sys.stderr)
@@ -73,6 +74,25 @@ def one_line(err: BaseException) -> str:
         last = text.rstrip().splitlines()[-1]
         text = last.partition(": ")[2] or last
     return text
+
+
+def out_of_memory_line(err: BaseException) -> str | None:
+    """One line for an out-of-memory error that no command said in its own words (those that train or evaluate
+    name what lowers their memory): Python's ``MemoryError``, which would otherwise be a traceback, or PyTorch's
+    allocator's; ``None`` for any other error."""
+    asked: str | None = None
+    if isinstance(err, MemoryError):
+        asked = ""
+    elif "torch" in sys.modules:  # an allocator's error can only come from a command that imported PyTorch
+        from obow.training.cost import allocation_failed
+
+        asked = allocation_failed(err)
+    if asked is None:
+        return None
+    return (
+        f"out of memory{asked}: this command needs more memory than is free here; close other programs, or run it "
+        "on a machine with more memory"
+    )
 
 
 def os_error_line(err: OSError) -> str:
@@ -451,6 +471,7 @@ def cmd_tables_paired(args: argparse.Namespace) -> int:
 
 def cmd_tables_run(args: argparse.Namespace) -> int:
     from obow.experiments.tables import TABLES, markdown, run_table
+    from obow.training.cost import out_of_memory
     from obow.training.loop import Interrupted
 
     try:
@@ -480,6 +501,10 @@ def cmd_tables_run(args: argparse.Namespace) -> int:
         )
     except Interrupted as err:
         return err.exit_code
+    except (RuntimeError, MemoryError) as err:  # the allocator's or Python's, in a run of a row: one line
+        if (oom := out_of_memory(err, None)) is not None:
+            raise oom from None
+        raise
     if args.plan_only:
         print(json.dumps(record, indent=2))
         print(f"written: {Path(args.out) / args.name / 'plan.json'}; the same command without --plan-only trains it")

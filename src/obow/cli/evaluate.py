@@ -34,12 +34,14 @@ import functools
 import json
 import os
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from obow import __version__
 from obow.cli.common import NETWORKS, STEMS, device_from_name, positive_float, positive_int, write_json
+from obow.notices import ObowWarning
 
 if TYPE_CHECKING:
     import numpy as np
@@ -295,17 +297,19 @@ def run_linear(args: argparse.Namespace) -> int:
                 f"{classes} classes that rate diverges from its first steps (half the largest stable rate is "
                 "taken; --lr sets it)"
             )
-    result = train_linear_probe(
-        [train_x, train_flip],
-        train_y,
-        test_x,
-        test_y,
-        **settings,
-        seed=args.seed,
-        device=run.device,
-        num_classes=classes,
-        batch_norm=args.batch_norm,
-    )
+    with warnings.catch_warnings():  # a divergence is this command's error line below, not a warning before it too
+        warnings.filterwarnings("ignore", "the linear probe diverged", ObowWarning)
+        result = train_linear_probe(
+            [train_x, train_flip],
+            train_y,
+            test_x,
+            test_y,
+            **settings,
+            seed=args.seed,
+            device=run.device,
+            num_classes=classes,
+            batch_norm=args.batch_norm,
+        )
     settings_used = {"preset": preset, "preset_lr": preset_lr}
     if result["diverged"]:  # its accuracy is the noise of a head that blew up, not the features'
         numbers = {"diverged": result["diverged"], "train_loss": result["train_loss"]}

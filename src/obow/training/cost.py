@@ -204,8 +204,8 @@ def allocation_failed(err: BaseException) -> str | None:
     return f" (it asked for {found.group(1)} more)" if found else ""
 
 
-#: Where in a run an out-of-memory error happened, by the module it was raised in (the innermost that matches),
-#: and what lowers that part's memory; the rest of a run is its steps (:data:`LOWER`).
+#: Where in a run an out-of-memory error happened, by a module its traceback passed through (the first entry that
+#: matches), and what lowers that part's memory; the rest of a run is its steps (:data:`LOWER`).
 PHASES = (
     (
         "obow/data/cache.py",
@@ -213,17 +213,22 @@ PHASES = (
         "lower data.cache_size (the side every image is cached at), or use data.pipeline=workers",
     ),
     (
-        "obow/evaluate/",
+        "obow/evaluate/monitor.py",
         "in the kNN monitor (its --val images' features)",
         "use fewer --val images, or train.knn_every=0 (no monitor)",
+    ),
+    (  # the demo's and the tables' evaluation once a run is trained (obow eval says its own line)
+        "obow/evaluate/",
+        "evaluating the trained network's features",
+        "evaluate fewer images (obow tables run: --per-class, --test-per-class), or use a machine with more memory",
     ),
 )
 
 
 def out_of_memory(err: BaseException, cfg: Config | None) -> RunError | None:
     """One line for an out-of-memory error of the allocator (CPU or GPU) or of Python, naming where in the run it
-    happened (:data:`PHASES`: the image cache, the kNN monitor; else the steps, at ``cfg``'s batch size when given)
-    and what to lower; ``None`` for any other error."""
+    happened (:data:`PHASES`: the image cache, the kNN monitor, an evaluation after training; else the steps, at
+    ``cfg``'s batch size when given) and what to lower; ``None`` for any other error."""
     asked = allocation_failed(err)
     if asked is None:
         return None

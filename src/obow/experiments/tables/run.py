@@ -353,6 +353,7 @@ def _task_process(task_args: tuple, threads: int) -> None:
     by a signal exits with the shell's code for it (``128 + signal``) after its checkpoint."""
     import torch
 
+    from obow.training.cost import out_of_memory
     from obow.training.loop import Interrupted
 
     logging.basicConfig(
@@ -364,6 +365,11 @@ def _task_process(task_args: tuple, threads: int) -> None:
         _run_task(*task_args)
     except Interrupted as err:
         sys.exit(err.exit_code)
+    except (RuntimeError, MemoryError) as err:  # one line naming what to lower, not a traceback
+        if (oom := out_of_memory(err, None)) is None:
+            raise
+        log.error("%s", oom)
+        sys.exit(2)
 
 
 def run_in_processes(

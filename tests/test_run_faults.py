@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import termios
+import textwrap
 import time
 import zipfile
 from pathlib import Path
@@ -351,3 +352,105 @@ def test_a_second_signal_aborts_with_a_line_naming_the_checkpoint_kept(setup, tm
         f"checkpoint, {out / 'checkpoint.pt'} (iteration {kept}), is kept" in stderr
     )
     assert "Traceback" not in stderr
+
+
+# ------------------------------------------------------------------------------------------------ a signal while set up
+
+
+def stop_while_building(monkeypatch, signum: int) -> None:
+    """Make the network's construction, part of the run's set-up, send ``signum`` to this process first."""
+    from obow.training import loop
+
+    real = loop.build_model
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signum)
+        for _ in range(10_000):  # the handler runs at the next bytecode
+            pass
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "build_model", signalled)
+
+
+def released(out: Path) -> bool:
+    """Whether the run folder's lock was let go cleanly (emptied or removed), not left naming a dead holder."""
+    lock = out / ".obow.lock"
+    return not lock.exists() or lock.stat().st_size == 0
+
+
+def test_ctrl_c_while_a_run_is_set_up_stops_it_in_one_line_and_frees_its_folder(
+    tmp_path, tiny_recipe, write_images, obow_cli, monkeypatch
+):
+    """Ctrl-C after the run folder was locked and before the first step (the cost measured, the images cached,
+    the network built: seconds to minutes) returned 130 without a word; SIGTERM and SIGHUP there killed the process
+    silently, leaving the lock. Now the run stops at once in one line naming what is kept, the lock is released,
+    and the same command then trains."""
+    data = write_images(tmp_path / "data", per_class=4)
+    out = tmp_path / "run"
+    args = ("pretrain", "--config", tiny_recipe, "--data", data, "--out", out, "train.knn_every=0")
+    stop_while_building(monkeypatch, signal.SIGINT)
+    result = obow_cli(*args, check=False)
+    assert result.code == 130, result.err
+    said = [line for line in result.err.splitlines() if "while the run was set up" in line]
+    assert said == [
+        f"WARNING SIGINT while the run was set up: stopped before its first step; no checkpoint was written in {out} "
+        "yet; run the same command to start it again"
+    ], result.err
+    assert "Traceback" not in result.err and not (out / "log.jsonl").exists()
+    assert released(out)
+    monkeypatch.undo()
+    assert obow_cli(*args).code == 0 and (out / "checkpoint.pt").is_file()
+    assert "earlier attempt" not in obow_cli(*args).err  # the stopped start left no logs to set aside
+
+
+def test_a_signal_while_a_run_resumes_keeps_its_checkpoint_as_it_was(tmp_path, tiny_run, obow_cli, monkeypatch):
+    out = tiny_run.copy(tmp_path / "run")
+    before = (out / "checkpoint.pt").read_bytes()
+    args = [out if a == tiny_run.out else a for a in tiny_run.args]
+    stop_while_building(monkeypatch, signal.SIGINT)
+    result = obow_cli(*args, "optim.epochs=3", check=False)
+    assert result.code == 130, result.err
+    assert (
+        f"SIGINT while the run was set up: stopped before its first step; the last checkpoint, {out / 'checkpoint.pt'} "
+        "(iteration 6), is kept; run the same command to resume"
+    ) in result.err
+    assert (out / "checkpoint.pt").read_bytes() == before and released(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_sigterm_while_a_run_is_set_up_is_one_line_not_a_silent_death(
+    tmp_path, tiny_recipe, write_images, signum, code
+):
+    """A real process: its network's construction waits (as a long cost probe or cache build would) and the test
+    sends the signal then. Before, the process died of it (exit -15 / -1) with nothing said and its lock left."""
+    data = write_images(tmp_path / "data", per_class=4)
+    out, ready = tmp_path / "run", tmp_path / "building"
+    driver = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from obow.training import loop
+        real = loop.build_model
+        def waiting(*args, **kwargs):
+            Path({str(ready)!r}).touch()
+            time.sleep(60)
+            return real(*args, **kwargs)
+        loop.build_model = waiting
+        from obow.cli import main
+        sys.exit(main(sys.argv[1:]))
+        """
+    )
+    args = ["pretrain", "--config", str(tiny_recipe), "--data", str(data), "--out", str(out), "train.knn_every=0"]
+    proc = subprocess.Popen([sys.executable, "-c", driver, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=ENV)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    name = signal.Signals(signum).name
+    assert f"{name} while the run was set up: stopped before its first step; no checkpoint was written" in err, err
+    assert "Traceback" not in err and released(out)

@@ -58,12 +58,12 @@ from obow.training.run.guards import RunGuard, kept_checkpoint
 from obow.training.run.lock import RunLock
 from obow.training.run.logger import RunLogger, log_interval, log_main, logged_step, logged_steps
 from obow.training.run.settle import SettledRun, settle_run
-from obow.training.run.signals import Interrupted, SignalFlag, handle_signals
+from obow.training.run.signals import Interrupted, SignalFlag, handle_signals, stopped_while_setting_up
 from obow.training.run.state import RunError, RunState, summary
 from obow.training.run.threads import chosen_threads
 from obow.training.step import TrainingStep, build_step, check_step_mode
 from obow.training.step.shared import to_device
-from obow.training.step.watch import CompileWatch
+from obow.training.step.watch import CompileWatch, checkpoint_iteration
 
 __all__ = ["EPOCH_MEANS", "Interrupted", "RunError", "pretrain", "train_one_epoch", "train_step"]
 
@@ -208,75 +208,78 @@ def train_in_lock(
     """:func:`run_pretraining`'s work once the run folder is locked and the run settled, on the training ``images``
     it found: build, then train (its threads adapted to the machine's other work by ``busy``, when given)."""
     cfg = settled.cfg
-    check_view_sizes(cfg, images.paths)
-    check_budget(cfg, device, len(images) // cfg.data.batch_size)  # a run that cannot fit is refused here
-    identity = identify(images)
-    ckpt = open_run(cfg, out, identity)
-    data_record = identity.record
-    del identity  # its list of every image is not held through the run
-    images, sampler, loader = build_data(cfg, device, images, pipeline=settled.pipeline)
-    iters_per_epoch = len(images) // cfg.data.batch_size
-    total_iters = iters_per_epoch * cfg.optim.epochs
-    model = build_model(cfg, total_iters, device, resuming=ckpt is not None)
-    optimizer = build_optimizer(model, cfg)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
-    state = start_or_resume(ckpt, model, optimizer, scaler, images, cfg, device, out)
-    state.data = data_record
-    if state.epoch >= cfg.optim.epochs:
-        log_main(
-            "%s is finished (%d of %d iterations); raise optim.epochs to extend it",
-            out,
-            state.iteration,
-            total_iters,
-        )
-        return {**summary(out, state), "already_finished": True}
-
-    step_model = prepare_step_model(model, cfg, device)
-    logger = RunLogger(out, cfg, enabled=D.is_main_process())
-    epoch_monitor = make_monitor(monitor, cfg, images, device)
-    model.train()
-    with (
-        handle_signals(announce=D.is_main_process()) as signals,
-        CompileWatch(cfg, device, out, signals, logger) as watch,
-    ):
-        boundary = StepBoundary(signals, cfg.train.checkpoint_minutes, device)
-        step = build_step(cfg, model, step_model, optimizer, scaler, device)
-        parts = (model, step_model, optimizer, scaler, sampler, loader, iters_per_epoch, logger, boundary, step)
-        saved_at = state.iteration if ckpt is not None else None
-        run = Run(cfg, out, device, *parts, watch=watch, saved_at=saved_at, busy=busy)
-        try:
-            train_epochs(run, state, epoch_monitor)
-        except KeyboardInterrupt as abort:  # a second signal (handle_signals)
-            log_main(
-                "a second signal (%s): aborted at once, without a checkpoint of the steps since the last one; %s",
-                abort.args[0] if abort.args else "SIGINT",
-                kept_checkpoint(out, run.saved_at),
-                level=logging.WARNING,
-            )
-            raise
-        except Interrupted:
+    main = D.is_main_process()
+    with handle_signals(announce=main) as signals:
+        with stopped_while_setting_up(signals, lambda: setup_keeps(out), announce=main):  # a signal: at once
+            check_view_sizes(cfg, images.paths)
+            check_budget(cfg, device, len(images) // cfg.data.batch_size)  # a run that cannot fit is refused here
+            identity = identify(images)
+            ckpt = open_run(cfg, out, identity)
+            data_record = identity.record
+            del identity  # its list of every image is not held through the run
+            images, sampler, loader = build_data(cfg, device, images, pipeline=settled.pipeline)
+            iters_per_epoch = len(images) // cfg.data.batch_size
+            total_iters = iters_per_epoch * cfg.optim.epochs
+            model = build_model(cfg, total_iters, device, resuming=ckpt is not None)
+            optimizer = build_optimizer(model, cfg)
+            scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
+            state = start_or_resume(ckpt, model, optimizer, scaler, images, cfg, device, out)
+            state.data = data_record
             if state.epoch >= cfg.optim.epochs:
+                log_main("%s is finished (%d of %d iterations); raise optim.epochs to extend it", out,
+                         state.iteration, total_iters)  # fmt: skip
+                return {**summary(out, state), "already_finished": True}
+
+            step_model = prepare_step_model(model, cfg, device)
+            epoch_monitor = make_monitor(monitor, cfg, images, device)
+            model.train()
+        logger = RunLogger(out, cfg, enabled=main)
+        with CompileWatch(cfg, device, out, signals, logger) as watch:
+            boundary = StepBoundary(signals, cfg.train.checkpoint_minutes, device)
+            step = build_step(cfg, model, step_model, optimizer, scaler, device)
+            parts = (model, step_model, optimizer, scaler, sampler, loader, iters_per_epoch, logger, boundary, step)
+            saved_at = state.iteration if ckpt is not None else None
+            run = Run(cfg, out, device, *parts, watch=watch, saved_at=saved_at, busy=busy)
+            try:
+                train_epochs(run, state, epoch_monitor)
+            except KeyboardInterrupt as abort:  # a second signal (handle_signals)
                 log_main(
-                    "Interrupted as the run ended: it is complete (checkpoint written at iteration %d); the "
-                    "command stops here, and the same command goes on with what follows the training",
-                    state.iteration,
+                    "a second signal (%s): aborted at once, without a checkpoint of the steps since the last one; %s",
+                    abort.args[0] if abort.args else "SIGINT",
+                    kept_checkpoint(out, run.saved_at),
+                    level=logging.WARNING,
                 )
-            else:
-                log_main(
-                    "Interrupted: checkpoint written at iteration %d (epoch %d, batch %d); run the same command "
-                    "to resume",
-                    state.iteration,
-                    state.epoch + 1,
-                    state.batch_in_epoch,
-                )
-            raise
-        except RuntimeError as err:
-            if (oom := out_of_memory(err, cfg)) is not None:
-                raise oom from None
-            raise
-        finally:
-            logger.close()
+                raise
+            except Interrupted:
+                if state.epoch >= cfg.optim.epochs:
+                    log_main(
+                        "Interrupted as the run ended: it is complete (checkpoint written at iteration %d); the "
+                        "command stops here, and the same command goes on with what follows the training",
+                        state.iteration,
+                    )
+                else:
+                    log_main(
+                        "Interrupted: checkpoint written at iteration %d (epoch %d, batch %d); run the same command "
+                        "to resume",
+                        state.iteration,
+                        state.epoch + 1,
+                        state.batch_in_epoch,
+                    )
+                raise
+            except RuntimeError as err:
+                if (oom := out_of_memory(err, cfg)) is not None:
+                    raise oom from None
+                raise
+            finally:
+                logger.close()
     return summary(out, state)
+
+
+def setup_keeps(out: Path) -> str:
+    """What a run stopped while it was set up keeps, and how to go on (:func:`stopped_while_setting_up`)."""
+    iteration = checkpoint_iteration(out / "checkpoint.pt")
+    again = "resume" if iteration is not None else "start it again"
+    return f"{kept_checkpoint(out, iteration)}; run the same command to {again}"
 
 
 def train_epochs(run: Run, state: RunState, epoch_monitor: Monitor | None) -> None:

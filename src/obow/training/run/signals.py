@@ -2,7 +2,8 @@
 into a request the loop honours when the step under way is done (it writes a checkpoint at that step boundary and
 raises :class:`Interrupted`); a second signal aborts at once, however soon it comes (:class:`Deliveries` counts
 the signals Python's handler would see as one); SIGHUP stays ignored under ``nohup``. A step that compiles stops
-at once instead, keeping nothing (:mod:`obow.training.step.watch`).
+at once instead, keeping nothing (:mod:`obow.training.step.watch`), and so does a run still being set up (its
+cost measured, its images cached, its model built or its checkpoint read: :func:`stopped_while_setting_up`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from obow.data.cache import BuildStopped
 
 log = logging.getLogger("obow")
 
@@ -34,6 +37,11 @@ class Interrupted(Exception):
         SIGINT's when the signal is not known here)."""
         name = self.signal if self.signal is not None and self.signal in signal.Signals.__members__ else "SIGINT"
         return 128 + int(signal.Signals[name])
+
+
+class SetupStopped(Interrupted):
+    """Raised at once by the first stop signal while a run is set up, before its first step
+    (:func:`stopped_while_setting_up`): there is no step to finish and nothing new to checkpoint."""
 
 
 #: The signals that stop a run at a step boundary: Ctrl-C, a scheduler's or ``kill``'s SIGTERM, and SIGHUP (the
@@ -188,7 +196,9 @@ def handle_signals(announce: bool = True, repeat_window: float | None = None) ->
         name = signal.Signals(signum).name
         delivered = deliveries.take()
         if flag.aborted:
-            if delivered == []:  # a signal already counted by the handler that aborted: one abort, not two
+            # a signal already counted by the handler that aborted, or the first request passed on again by a
+            # parent (torchrun): one abort, not two
+            if delivered == [] or time.monotonic() - flag.at < window:
                 return
             raise KeyboardInterrupt(name)
         if flag.received is None:
@@ -218,3 +228,23 @@ def handle_signals(announce: bool = True, repeat_window: float | None = None) ->
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def stopped_while_setting_up(flag: SignalFlag, kept: Callable[[], str], announce: bool = True) -> Iterator[None]:
+    """While the block sets a run up (its cost measured, its images cached, its network built, its checkpoint read:
+    seconds to minutes), the first stop signal noted in ``flag`` (:func:`handle_signals`) raises
+    :class:`SetupStopped` at once, and the run stops before its first step with one line (``announce``: the main
+    process) naming the signal and what is kept (``kept()``: the last checkpoint, or that there is none). Without
+    it, SIGTERM and SIGHUP there killed the process without a word and left its lock behind, and Ctrl-C returned
+    130 without a word. A cache build stopped this way says so itself (:mod:`obow.data.cache`): one line, not two."""
+    flag.abort = SetupStopped
+    try:
+        yield
+    except SetupStopped as stop:
+        said = isinstance(stop.__context__, BuildStopped)  # the cache build's own line names the signal
+        if announce and not said:
+            log.warning("%s while the run was set up: stopped before its first step; %s", stop.signal, kept())
+        raise
+    finally:
+        flag.abort = None

@@ -259,7 +259,7 @@ def test_load_rgb_raises_on_damaged_files(damaged_folder):
 
 
 def test_dataset_skips_unreadable_files_and_reports_them(damaged_folder):
-    with pytest.warns(UserWarning, match="skipped 1 zero-byte image files"):  # d_empty never becomes an image
+    with pytest.warns(UserWarning, match="skipped 1 zero-byte image file under"):  # d_empty never becomes an image
         images = scan_images(damaged_folder)
     names = [Path(p).name for p in images.paths]
     assert names == ["a_good.png", "b_corrupt.jpg", "c_truncated.jpg", "e_good.png", "f_corrupt.png"]

@@ -83,7 +83,7 @@ def test_unreadable_images_are_left_out_and_a_folder_of_none_is_refused_in_one_l
     with caplog.at_level(logging.WARNING, logger="obow"):
         cache = build_cache(scan_images(str(tmp_path / "data"), labels="folders"), 24, cache_dir=tmp_path / "cache")
     assert len(cache.images) == 3 and "broken.png" not in " ".join(cache.images.paths)
-    assert "1 images left out (1 not an image Pillow can identify), e.g." in caplog.text
+    assert "1 image left out (1 not an image Pillow can identify), e.g." in caplog.text
 
     for i in range(2):
         (tmp_path / "bad" / "a").mkdir(parents=True, exist_ok=True)

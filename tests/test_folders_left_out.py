@@ -72,8 +72,8 @@ def test_a_folder_of_only_left_out_files_says_what_it_left_out(tmp_path):
     root.mkdir()
     os.symlink("x.png", root / "x.png")
     Image.new("RGB", (8, 8)).save(root / "only.gif")
-    with pytest.raises(ValueError, match=r"no images found under .*1 files left out: not images of a listed kind "
-                       r"\(\.gif 1\); 1 symbolic links skipped"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"no images found under .*1 file left out: not images of a listed kind "
+                       r"\(\.gif 1\); 1 symbolic link skipped"):  # fmt: skip
         scan_images(root, "none")
 
 

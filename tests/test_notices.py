@@ -110,3 +110,11 @@ def test_held_lines_are_shown_in_order_when_released_and_dropped_after_an_error(
             log.warning("kept")
         log.warning("after")
     assert caplog.messages == ["kept", "after"]
+
+
+def test_counted_nouns_agree_with_their_number():
+    from obow.notices import counted
+
+    assert counted(1, "image") == "1 image" and counted(0, "image") == "0 images"
+    assert counted(2, "symbolic link") == "2 symbolic links" and counted(12345, "file") == "12,345 files"
+    assert counted(1, "box", "boxes") == "1 box" and counted(3, "box", "boxes") == "3 boxes"

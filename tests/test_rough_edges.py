@@ -118,12 +118,12 @@ def test_yaml_syntax_error_names_file_line_and_column(tmp_path):
 def test_zero_byte_files_are_skipped_at_scan_time(tmp_path, noise_images):
     noise_images(tmp_path / "a", 2)
     (tmp_path / "a" / "empty.png").write_bytes(b"")
-    with pytest.warns(UserWarning, match="skipped 1 zero-byte image files"):
+    with pytest.warns(UserWarning, match="skipped 1 zero-byte image file under"):
         images = scan_images(tmp_path, labels="none")
     assert [Path(p).name for p in images.paths] == ["0.png", "1.png"]
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "x.jpg").write_bytes(b"")
-    with pytest.raises(ValueError, match="no images found.*1 zero-byte image files were skipped"):
+    with pytest.raises(ValueError, match="no images found.*1 zero-byte image file skipped"):
         scan_images(tmp_path / "b")
 
 

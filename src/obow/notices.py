@@ -124,3 +124,9 @@ def _replay(held: _Held) -> None:
     records, held.records = held.records, []
     for record in records:
         log.handle(record)
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun`` agreeing in number: ``1 image``, ``3 images``, ``2 symbolic links`` (``plural`` where the
+    plural is not ``noun + "s"``)."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"

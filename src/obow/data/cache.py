@@ -72,6 +72,7 @@ from PIL import Image
 
 from obow.data.folders import ImageList, load_rgb, tiny_below, unreadable_reason
 from obow.data.identity import relative
+from obow.notices import counted
 
 log = logging.getLogger("obow")
 
@@ -567,8 +568,8 @@ def remove_stopped_builds(folder: Path, pattern: str) -> None:
         removed.append(path)
     if removed:
         log.info(
-            "image cache: %d partial file(s) of a build stopped before it finished removed from %s (e.g. %s)",
-            len(removed), folder, removed[0].name,
+            "image cache: %s of a build stopped before it finished removed from %s (e.g. %s)",
+            counted(len(removed), "partial file"), folder, removed[0].name,
         )  # fmt: skip
 
 
@@ -592,7 +593,7 @@ def left_out_line(left_out: list[tuple[str, str]]) -> str:
     a/x.png: <why>``: counted by reason (its words before a parenthesis), the first named with its whole reason."""
     kinds = Counter(why.split(" (")[0] for _, why in left_out)
     said = ", ".join(f"{n} {kind}" for kind, n in kinds.most_common())
-    return f"{len(left_out)} images left out ({said}), e.g. {left_out[0][0]}: {left_out[0][1]}"
+    return f"{counted(len(left_out), 'image')} left out ({said}), e.g. {left_out[0][0]}: {left_out[0][1]}"
 
 
 def _write_cache(images: ImageList, side: int, exact: bool, folder: Path, key: str, summary: dict[str, Any]) -> None:

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from obow.checks import check_choice
 from obow.config.choices import LABEL_MODES
-from obow.notices import ObowWarning
+from obow.notices import ObowWarning, counted
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 #: How many consecutive unreadable files a sample may skip before the dataset gives up.
@@ -142,7 +142,8 @@ def _find_images(folder: str, found: _Found, _ancestors: frozenset[str] = frozen
 def _no_images_error(root: str, where: str = "", found: _Found | None = None) -> ValueError:
     also = ""
     if found is not None:
-        also += f"; {len(found.empty)} zero-byte image files were skipped" if found.empty else ""
+        if found.empty:
+            also += f"; {counted(len(found.empty), 'zero-byte image file')} skipped"
         also += "".join(f"; {line}" for line in _left_out_lines(found))
     return ValueError(
         f"no images found under {root}{where} (looked for files ending in {', '.join(IMAGE_EXTENSIONS)}, "
@@ -155,10 +156,10 @@ def _left_out_lines(found: _Found) -> list[str]:
     lines = []
     if found.other:
         kinds = ", ".join(f"{ext} {n}" for ext, n in sorted(found.other.items(), key=lambda kv: (-kv[1], kv[0])))
-        lines.append(f"{sum(found.other.values())} files left out: not images of a listed kind ({kinds})")
+        lines.append(f"{counted(sum(found.other.values()), 'file')} left out: not images of a listed kind ({kinds})")
     if found.broken:
         lines.append(
-            f"{len(found.broken)} symbolic links skipped: they lead nowhere (a loop or a missing target, "
+            f"{counted(len(found.broken), 'symbolic link')} skipped: they lead nowhere (a loop or a missing target, "
             f"e.g. {found.broken[0]})"
         )
     return lines
@@ -168,8 +169,8 @@ def _warn_left_out(root: str, found: _Found) -> None:
     """One warning line for each kind of file the scan of ``root`` left out."""
     if found.empty:
         warnings.warn(
-            f"skipped {len(found.empty)} zero-byte image files under {root} (e.g. {found.empty[0]}): they hold no "
-            "image",
+            f"skipped {counted(len(found.empty), 'zero-byte image file')} under {root} (e.g. {found.empty[0]}): "
+            "they hold no image",
             ObowWarning,
             stacklevel=3,
         )

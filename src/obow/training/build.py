@@ -22,6 +22,7 @@ from obow.data.device_loader import DeviceLoader
 from obow.data.folders import EpochSampler, ImageDataset, ImageList, build_loader, scan_images, tiny_below
 from obow.methods import build_batched_views, build_method, build_views, cache_side, used_side
 from obow.methods.base import Method
+from obow.notices import counted
 from obow.training.run.logger import log_main
 from obow.training.run.precision import check_precision
 from obow.training.run.state import RunError
@@ -115,7 +116,7 @@ def build_data(
         num_workers=cfg.data.num_workers,
         pin_memory=cfg.data.pin_memory and device.type == "cuda",
     )
-    log_main("Data: views made by %d loader worker(s)", cfg.data.num_workers)
+    log_main("Data: views made by %s", counted(cfg.data.num_workers, "loader worker"))
     return images, sampler, workers
 
 

@@ -273,3 +273,45 @@ def test_a_build_killed_outright_leaves_a_partial_file_the_next_build_removes(tm
     assert not left.exists() and len(cache.images) == 300
     assert any("partial file" in r.getMessage() and left.name in r.getMessage() for r in caplog.records)
     assert sorted(p.suffix for p in folder.iterdir()) == [".json", ".u8"]
+
+
+def test_a_signal_during_a_rebuild_under_a_run_stops_it_at_a_checkpoint_not_as_a_second_signal(
+    tmp_path, tiny_recipe, obow_cli, monkeypatch
+):
+    """A memory-mapped cache found damaged as the run reads a batch is rebuilt under the run; a Ctrl-C during that
+    rebuild stopped it (its one line) and then the run, said as "a second signal" after only one. Now the run
+    stops there, between two steps, with its checkpoint written, and the same command ends the run."""
+    monkeypatch.setattr(cache_module, "BLOCK_BYTES", 1000)
+    for name in ("a", "b"):
+        write_images(tmp_path / "data" / name, 16, seed=ord(name))
+    args = ("pretrain", "--config", tiny_recipe, "--data", tmp_path / "data", "--out", tmp_path / "run",
+            "data.pipeline=device", f"data.cache_dir={tmp_path / 'cache'}", "train.knn_every=0")  # fmt: skip
+    assert obow_cli(*args, "optim.epochs=1").code == 0
+    (file,) = (tmp_path / "cache").glob("*.u8")
+    with open(file, "r+b") as f:
+        f.seek(file.stat().st_size // 2)
+        f.write(b"\xff" * (file.stat().st_size // 2))
+    monkeypatch.setattr(cache_module, "available_memory", lambda: 100)  # memory-mapped: each block checked on read
+    real = cache_module.decoded_in_order
+
+    def signalled(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        yield from real(*a, **k)
+
+    monkeypatch.setattr(cache_module, "decoded_in_order", signalled)
+    written = (tmp_path / "run" / "checkpoint.pt").stat().st_mtime_ns
+    result = obow_cli(*args, "optim.epochs=2", check=False)
+    assert result.code == 130, result.err
+    assert "a second signal" not in result.err and "Traceback" not in result.err
+    assert "SIGINT: the image cache build stopped after" in result.err
+    iteration = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["iteration"]
+    assert iteration == 4  # one epoch of 32 images in batches of 8, the second epoch not begun
+    checkpoint = tmp_path / "run" / "checkpoint.pt"
+    assert checkpoint.stat().st_mtime_ns != written  # written again where the signal stopped the run
+    assert (
+        f"SIGINT: the run stops with the image cache's rebuild, between two steps; the last checkpoint, {checkpoint} "
+        "(iteration 4), is kept"
+    ) in result.err
+    monkeypatch.setattr(cache_module, "decoded_in_order", real)
+    assert obow_cli(*args, "optim.epochs=2").code == 0
+    assert torch.load(checkpoint, weights_only=False)["iteration"] == 8

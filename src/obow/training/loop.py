@@ -38,6 +38,7 @@ from torch import nn
 
 from obow import distributed as D
 from obow.config import Config
+from obow.data.cache import BuildStopped
 from obow.data.folders import EpochSampler, ImageList, scan_images
 from obow.data.identity import identify
 from obow.methods.base import Method
@@ -58,7 +59,7 @@ from obow.training.run.guards import RunGuard, kept_checkpoint
 from obow.training.run.lock import RunLock
 from obow.training.run.logger import RunLogger, log_interval, log_main, logged_step, logged_steps
 from obow.training.run.settle import SettledRun, settle_run
-from obow.training.run.signals import Interrupted, SignalFlag, handle_signals, stopped_while_setting_up
+from obow.training.run.signals import Interrupted, SignalFlag, handle_signals, run_aborted, stopped_while_setting_up
 from obow.training.run.state import RunError, RunState, summary
 from obow.training.run.threads import chosen_threads
 from obow.training.step import TrainingStep, build_step, check_step_mode
@@ -242,14 +243,13 @@ def train_in_lock(
             run = Run(cfg, out, device, *parts, watch=watch, saved_at=saved_at, busy=busy)
             try:
                 train_epochs(run, state, epoch_monitor)
-            except KeyboardInterrupt as abort:  # a second signal (handle_signals)
-                log_main(
-                    "a second signal (%s): aborted at once, without a checkpoint of the steps since the last one; %s",
-                    abort.args[0] if abort.args else "SIGINT",
-                    kept_checkpoint(out, run.saved_at),
-                    level=logging.WARNING,
-                )
-                raise
+            except KeyboardInterrupt as abort:  # a second signal (handle_signals), or a cache rebuild stopped
+                if isinstance(abort, BuildStopped) and not D.is_distributed():  # by the first, between two steps
+                    run.save(state)  # the checkpoint the signal asked for
+                stop = run_aborted(abort, kept_checkpoint(out, run.saved_at), announce=main)
+                if stop is abort:
+                    raise
+                raise stop from None
             except Interrupted:
                 if state.epoch >= cfg.optim.epochs:
                     log_main(

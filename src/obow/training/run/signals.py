@@ -248,3 +248,24 @@ def stopped_while_setting_up(flag: SignalFlag, kept: Callable[[], str], announce
         raise
     finally:
         flag.abort = None
+
+
+def run_aborted(abort: KeyboardInterrupt, kept: str, announce: bool = True) -> BaseException:
+    """Say why a run under way stopped at once (``kept``: the checkpoint it keeps), and return the exception the
+    command stops with. Either a second signal aborted it (:func:`handle_signals`): ``abort`` itself, exit 130; or
+    the first signal came while the image cache was rebuilt under the run (a memory-mapped cache found damaged as
+    a batch read it) and stopped that rebuild (:class:`~obow.data.cache.BuildStopped`, said in the cache's own
+    line): without its images the run cannot take its next step, so it stops there, between two steps, where the
+    loop has written its checkpoint (one process), with the signal's exit code. It was called a second signal
+    before. ``announce``: say it (the main process)."""
+    if isinstance(abort, BuildStopped):
+        if announce:
+            log.warning("%s: the run stops with the image cache's rebuild, between two steps; %s", abort.args[0], kept)
+        return Interrupted(abort.args[0])
+    if announce:
+        log.warning(
+            "a second signal (%s): aborted at once, without a checkpoint of the steps since the last one; %s",
+            abort.args[0] if abort.args else "SIGINT",
+            kept,
+        )
+    return abort

@@ -12,6 +12,11 @@ import sys
 import textwrap
 import time
 
+import pytest
+
+# real processes, each with a C call of about 2 s (docs/development.md: a test that starts a process is slow)
+pytestmark = pytest.mark.slow
+
 #: The child: handlers set, then one C call (PBKDF2, which releases no signal to Python until it returns) of about
 #: ``seconds`` seconds, calibrated on this machine; "ready" printed just before it. After the call, Python runs the
 #: handlers; "one request" or "aborted" says what they made of the signals.

@@ -16,8 +16,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from obow.data.cache import BuildStopped
-
 log = logging.getLogger("obow")
 
 
@@ -242,6 +240,8 @@ def stopped_while_setting_up(flag: SignalFlag, kept: Callable[[], str], announce
     try:
         yield
     except SetupStopped as stop:
+        from obow.data.cache import BuildStopped  # here: this module stays free of PyTorch (tests/test_signals.py)
+
         said = isinstance(stop.__context__, BuildStopped)  # the cache build's own line names the signal
         if announce and not said:
             log.warning("%s while the run was set up: stopped before its first step; %s", stop.signal, kept())
@@ -258,6 +258,8 @@ def run_aborted(abort: KeyboardInterrupt, kept: str, announce: bool = True) -> B
     line): without its images the run cannot take its next step, so it stops there, between two steps, where the
     loop has written its checkpoint (one process), with the signal's exit code. It was called a second signal
     before. ``announce``: say it (the main process)."""
+    from obow.data.cache import BuildStopped
+
     if isinstance(abort, BuildStopped):
         if announce:
             log.warning("%s: the run stops with the image cache's rebuild, between two steps; %s", abort.args[0], kept)

@@ -116,7 +116,7 @@ def test_the_watch_runs_only_where_obow_chose_the_threads_of_one_process_on_a_cp
     from obow.training.run.threads import chosen_threads
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    with chosen_threads(2, "2 cores, 1 training process(es) here", False, cpu) as watch:
+    with chosen_threads(2, "2 cores, 1 training process here", False, cpu) as watch:
         assert isinstance(watch, BusyWatch) and (watch.chosen, watch.threads) == (2, 2)
     for threads, why, device in ((2, "train.threads", cpu), (2, "OMP_NUM_THREADS", cpu), (1, "1 core", cpu)):
         with chosen_threads(threads, why, False, device) as watch:
@@ -124,5 +124,5 @@ def test_the_watch_runs_only_where_obow_chose_the_threads_of_one_process_on_a_cp
     with chosen_threads(2, "2 cores", False, gpu) as watch:
         assert watch is None  # a GPU run's threads feed the device
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with chosen_threads(2, "2 cores, 2 training process(es) here", False, cpu) as watch:
+    with chosen_threads(2, "2 cores, 2 training processes here", False, cpu) as watch:
         assert watch is None  # its sibling processes would count as other work

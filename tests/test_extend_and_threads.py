@@ -83,10 +83,10 @@ def test_short_runs_log_often_enough_to_draw_a_curve():
 @pytest.mark.parametrize(
     ("overrides", "environ", "cores", "expected"),
     [
-        ([], {}, 2, (2, "2 cores, 1 training process(es) here")),
-        (["data.num_workers=1"], {}, 2, (2, "2 cores, 1 training process(es) here")),  # workers not subtracted
-        (["data.num_workers=2"], {"LOCAL_WORLD_SIZE": "4"}, 64, (16, "64 cores, 4 training process(es) here")),
-        ([], {"LOCAL_WORLD_SIZE": "4"}, 2, (1, "2 cores, 4 training process(es) here")),  # at least one
+        ([], {}, 2, (2, "2 cores, 1 training process here")),
+        (["data.num_workers=1"], {}, 2, (2, "2 cores, 1 training process here")),  # workers not subtracted
+        (["data.num_workers=2"], {"LOCAL_WORLD_SIZE": "4"}, 64, (16, "64 cores, 4 training processes here")),
+        ([], {"LOCAL_WORLD_SIZE": "4"}, 2, (1, "2 cores, 4 training processes here")),  # at least one
         (["data.num_workers=1"], {"OMP_NUM_THREADS": "3"}, 2, (3, "OMP_NUM_THREADS")),
         (["train.threads=5"], {"OMP_NUM_THREADS": "3"}, 2, (5, "train.threads")),
     ],
@@ -97,8 +97,8 @@ def test_threads_follow_the_cores_of_the_training_process(overrides, environ, co
 
 
 def test_busy_machine_hint_only_when_the_load_fills_the_cores_and_threads_were_chosen():
-    assert busy_machine_hint(2, "2 cores, 1 training process(es) here", load=1.9, cores=2) is None
-    hint = busy_machine_hint(2, "2 cores, 1 training process(es) here", load=2.4, cores=2)
+    assert busy_machine_hint(2, "2 cores, 1 training process here", load=1.9, cores=2) is None
+    hint = busy_machine_hint(2, "2 cores, 1 training process here", load=2.4, cores=2)
     assert "load 2.4 on 2 cores" in hint and "OMP_NUM_THREADS=1" in hint
     assert busy_machine_hint(2, "OMP_NUM_THREADS", load=9.0, cores=2) is None  # the user chose
-    assert busy_machine_hint(1, "2 cores, 2 training process(es) here", load=9.0, cores=2) is None
+    assert busy_machine_hint(1, "2 cores, 2 training processes here", load=9.0, cores=2) is None

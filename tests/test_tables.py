@@ -684,7 +684,7 @@ def test_status_reads_each_row_and_seed_from_the_folder_and_sums_the_minutes_lef
     assert "| soft, dynamic | 1 | running, iteration 0 of 2 | 0 / 2 | 0.1 |" in text
     assert "| hard, fixed | 1 | not started | 0 / 2 | 0.1 |" in text
     # (1 + 2 + 2) steps x 3 s = 0.25 min; three runs and one random init still to do
-    assert "Left: 4 run(s) to finish or evaluate, about 0.2 minutes of training" in text
+    assert "Left: 4 runs to finish or evaluate, about 0.2 minutes of training" in text
     assert "Being run now" not in text  # the table folder's own lock was released at the end of the run
     only = obow_cli("tables", "status", folder, "--seeds", "0").out
     assert "| 1 |" not in only and "Left: 1 run(s)" in only

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from obow import distributed as D
 from obow.checks import check_choice, check_unit_interval
 from obow.config.choices import QUEUE_SAMPLINGS
+from obow.notices import counted
 
 if TYPE_CHECKING:
     from obow.config import ModelConfig
@@ -122,7 +123,8 @@ class QueueVocabulary(Vocabulary):
         if self.num_words % n != 0:
             raise ValueError(
                 f"num_words={self.num_words} must be a multiple of the global batch size ({n} images "
-                f"over {D.world_size()} process(es)): the queue enqueues one word per image per step"
+                f"over {counted(D.world_size(), 'process', 'processes')}): the queue enqueues one word per image per "
+                "step"
             )
         slots = (self.ptr + torch.arange(n, device=self.ptr.device)) % self.num_words
         self.words.index_copy_(0, slots, new_words.to(self.words.dtype))

@@ -678,9 +678,9 @@ def remove_older_formats(folder: Path, folder_prefix: str) -> None:
                 old[meta.name[: -len(".json")]] = version
     if old:
         log.info(
-            "image cache: %d cache(s) of this folder in an older format (version %s) removed from %s; it is "
+            "image cache: %s of this folder in an older format (version %s) removed from %s; it is "
             "rebuilt as version %d (whole images)",
-            len(old), ", ".join(sorted({str(v) for v in old.values()})), folder, CACHE_VERSION,
+            counted(len(old), "cache"), ", ".join(sorted({str(v) for v in old.values()})), folder, CACHE_VERSION,
         )  # fmt: skip
         for path in folder.glob(f"{folder_prefix}-*"):
             if path.name.split(".")[0] in old:

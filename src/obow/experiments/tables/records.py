@@ -10,6 +10,7 @@ from typing import Any
 
 from obow.experiments.tables.catalog import COLUMNS
 from obow.files import writing
+from obow.notices import counted
 
 
 def training_minutes(run: Path) -> float | None:
@@ -110,7 +111,7 @@ def _budget_text(record: dict[str, Any]) -> str:
             f"{budget['minutes']:g} minutes of this machine per row and seed (each row's epochs from its timed "
             "step, in whole epochs)"
         )
-    return f"{budget['epochs']} epoch(s) per row"
+    return f"{counted(budget['epochs'], 'epoch')} per row"
 
 
 def _shared_text(plan: dict[str, Any]) -> str:

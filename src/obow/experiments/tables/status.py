@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import cast
 
 from obow.experiments.tables.catalog import TABLES
+from obow.notices import counted
 
 
 def read_table_plan(folder: Path) -> dict:
@@ -88,7 +89,7 @@ def table_status(folder: str | Path, seeds: list[int] | None = None) -> str:
         total = f"about {left_total:.1f} minutes of training" + (" and stages without a timed step" if unknown else "")
         lines += [
             "",
-            f"Left: {waiting} run(s) to finish or evaluate, {total} (evaluation not counted); the same "
+            f"Left: {counted(waiting, 'run')} to finish or evaluate, {total} (evaluation not counted); the same "
             "`obow tables run` command (with these --seeds) resumes them.",
         ]
     else:

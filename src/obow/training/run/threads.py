@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from obow.config import Config
+from obow.notices import counted
 from obow.training.run.busy import BusyWatch
 from obow.training.run.logger import log_main
 
@@ -59,7 +60,7 @@ def choose_threads(cfg: Config, environ: Mapping[str, str] | None = None, cores:
         cores = available_cores()
     processes = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
     threads = max(1, cores // processes)
-    return threads, f"{cores} cores, {processes} training process(es) here"
+    return threads, f"{cores} cores, {counted(processes, 'training process', 'training processes')} here"
 
 
 def ignored_omp_threads(environ: dict[str, str] | None = None) -> str | None:

@@ -687,7 +687,7 @@ def test_status_reads_each_row_and_seed_from_the_folder_and_sums_the_minutes_lef
     assert "Left: 4 runs to finish or evaluate, about 0.2 minutes of training" in text
     assert "Being run now" not in text  # the table folder's own lock was released at the end of the run
     only = obow_cli("tables", "status", folder, "--seeds", "0").out
-    assert "| 1 |" not in only and "Left: 1 run(s)" in only
+    assert "| 1 |" not in only and "Left: 1 run to finish" in only
 
     (running / ".obow.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7}))
     assert "| soft, dynamic | 1 | not started | 0 / 2 | 0.1 |" in obow_cli("tables", "status", folder).out  # dead

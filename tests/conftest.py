@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import socket
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,7 +178,16 @@ def free_port():
 
 def write_checkpoint(path, arch="resnet18", stem="cifar", size=32, epoch=3, iteration=30, options=None) -> Path:
     """A pretraining checkpoint of an untrained OBoW whose student differs from its teacher, written with the
-    library's own :func:`~obow.weights.checkpoint.build_checkpoint`."""
+    library's own :func:`~obow.weights.checkpoint.build_checkpoint`. Its weights come from a seed of its own,
+    the file's name and its folder's (two checkpoints of a test differ; a test gets the same weights in every run,
+    whichever test ran before it in the worker: drawn from the global random state, a module's shared checkpoint
+    once made a probe diverge in one run of about ten)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(zlib.crc32(f"{Path(path).parent.name}/{Path(path).name}".encode()))
+        return _write_checkpoint(path, arch, stem, size, epoch, iteration, options)
+
+
+def _write_checkpoint(path, arch, stem, size, epoch, iteration, options) -> Path:
     from obow.config import Config, DataConfig, ModelConfig, ViewsConfig, to_dict
     from obow.methods.obow import OBoW
     from obow.weights.checkpoint import build_checkpoint, save_atomic

@@ -4,7 +4,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from obow.cli.evaluate import add_eval_parser
 from obow.cli.weights import add_export_parser
@@ -30,9 +29,7 @@ def run(*argv):
 def setup(tmp_path_factory, colour_folders, make_checkpoint):
     root = tmp_path_factory.mktemp("cli")
     colour_folders(root / "data", COLOURS, {"train": 8, "val": 6})
-    with torch.random.fork_rng():  # the same weights whichever test of the worker set it up first
-        torch.manual_seed(0)
-        ckpt = make_checkpoint(root / "run" / "checkpoint.pt", size=16)
+    ckpt = make_checkpoint(root / "run" / "checkpoint.pt", size=16)  # its own seed (conftest.write_checkpoint)
     return root / "data", ckpt
 
 

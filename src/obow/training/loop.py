@@ -246,10 +246,7 @@ def train_in_lock(
             except KeyboardInterrupt as abort:  # a second signal (handle_signals), or a cache rebuild stopped
                 if isinstance(abort, BuildStopped) and not D.is_distributed():  # by the first, between two steps
                     run.save(state)  # the checkpoint the signal asked for
-                stop = run_aborted(abort, kept_checkpoint(out, run.saved_at), announce=main)
-                if stop is abort:
-                    raise
-                raise stop from None
+                raise run_aborted(abort, kept_checkpoint(out, run.saved_at), announce=main) from None
             except Interrupted:
                 if state.epoch >= cfg.optim.epochs:
                     log_main(

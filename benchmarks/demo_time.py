@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cpu_kind() -> dict:
     """This CPU: its model, the flags of :data:`CPU_FLAGS` it has (Linux; ``None`` elsewhere), whether it computes
-    bfloat16 natively, and its cores."""
+    bfloat16 natively, its cores, and the kernels the environment leaves PyTorch and oneDNN (capped at AVX2 they
+    are an AVX2 CPU's on any newer one)."""
     model, flags = platform.processor() or platform.machine(), None
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
@@ -61,6 +62,10 @@ def cpu_kind() -> dict:
         "native_bf16": bf16,
         "kind": "native bf16 (AVX-512 BF16 or AMX)" if bf16 else "no native bf16 (the demo runs fp32)",
         "cores": os.cpu_count(),
+        # the kernels run: an AVX2 CPU's on a newer one where the environment caps them (docs/results/demo.md)
+        "aten_capability": torch.backends.cpu.get_cpu_capability(),
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"),
+        "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS"),
     }
 
 

@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
             "capability": torch.backends.cpu.get_cpu_capability(),
             "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY"),
             "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+            "MKL_ENABLE_INSTRUCTIONS": os.environ.get("MKL_ENABLE_INSTRUCTIONS"),
             "torch": torch.__version__,
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -600,6 +600,24 @@ def test_step_profile_groups_a_real_steps_operators_and_writes_its_machine(tiny_
     assert "a step unprofiled" in capsys.readouterr().out
 
 
+def test_recipe_steps_times_variants_and_counts_their_steps(tiny_recipe, capsys):
+    """Two variants of one recipe, the second at half the batch: twice the steps an epoch over the same images,
+    its pretraining time over the first's is each round's ratio times the steps' ratio (the first's is 1)."""
+    recipe_steps = load_script("recipe_steps")
+    cfg = load_config(str(tiny_recipe))
+    images = 10 * cfg.data.batch_size + 3  # the loop drops the last, partial batch
+    half = f"data.batch_size={cfg.data.batch_size // 2}"
+    argv = ["--images", str(images), "--warmup", "1", "--repeats", "2", "--threads", "1"]
+    variants = ["--variant", "base", str(tiny_recipe), "--variant", "half", str(tiny_recipe), half]
+    rows = recipe_steps.main([*argv, *variants])
+    assert rows["base"]["steps"] == cfg.optim.epochs * 10 and rows["half"]["steps"] == cfg.optim.epochs * 20
+    assert rows["base"]["ratio"] == 1.0 and rows["half"]["ratio"] > 0
+    assert rows["half"]["seconds"] == pytest.approx(rows["half"]["median"] * rows["half"]["steps"])
+    assert "| half |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        recipe_steps.main([*argv, "--variant", "base", str(tiny_recipe)])  # one variant: nothing to compare
+
+
 def test_busy_machine_reads_its_settings_and_a_runs_last_epoch(tmp_path):
     busy_machine = load_script("busy_machine")
     assert busy_machine.parse_setting("obow=") == ("obow", {})

@@ -17,6 +17,9 @@ most 0.011 (full width) and 0.012 (narrow) over three seeds, means below 0.01 fo
 import copy
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -88,16 +91,48 @@ def _cpu_flags() -> set[str]:
     return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
 
 
+#: the environment variables that cap PyTorch's or oneDNN's kernels (read when a process starts)
+KERNEL_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
 def test_auto_is_bf16_exactly_where_the_cpu_has_bf16_instructions():
     flags = _cpu_flags()
     if "avx2" not in flags:
         pytest.skip("needs an x86 CPU whose flags Linux lists in /proc/cpuinfo (the independent reference)")
+    if any(os.environ.get(cap) for cap in KERNEL_CAPS):
+        pytest.skip("this process's kernels are capped: the next test checks auto under caps, in fresh processes")
     native = "avx512_bf16" in flags or "amx_bf16" in flags  # the instructions oneDNN's fast bf16 kernels use
     cpu = torch.device("cpu")
     assert prec.native_bf16(cpu) is native
     assert prec.resolve_precision("auto", cpu) == ("bf16" if native else "fp32")
     for precision in ("fp32", "bf16", "fp16"):  # asked for: kept, even where slow (the warning says so)
         assert prec.resolve_precision(precision, cpu) == precision
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"ATEN_CPU_CAPABILITY": "avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"DNNL_MAX_CPU_ISA": "avx512_core"}],
+    ids=["aten-avx2", "onednn-avx2", "dnnl-avx512-core"],
+)
+def test_auto_is_fp32_where_the_environment_keeps_the_kernels_from_bf16(env):
+    """A process started with PyTorch's or oneDNN's kernels capped below bf16 (an AVX2-only CPU's kernels on a
+    newer one) emulates bf16, so ``auto`` is fp32 there, whatever the flags; both variables are read when the
+    process starts, hence a fresh one."""
+    flags = _cpu_flags()
+    if not ({"avx512_bf16", "amx_bf16"} & flags):
+        pytest.skip("needs a CPU with bf16 instructions (elsewhere auto is fp32 anyway)")
+    code = (
+        "import torch; from obow.training.run import precision as p; cpu = torch.device('cpu'); "
+        "print(p.native_bf16(cpu), p.resolve_precision('auto', cpu), torch.backends.cpu.get_cpu_capability())"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in KERNEL_CAPS}
+
+    def answer(environment: dict[str, str]) -> list[str]:
+        done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True)
+        return done.stdout.split()[:2]
+
+    assert answer(clean) == ["True", "bf16"]
+    assert answer({**clean, **env}) == ["False", "fp32"]
 
 
 def test_an_auto_run_records_its_choice_and_a_resume_keeps_it_on_another_machine(

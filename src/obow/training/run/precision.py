@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import torch
 
@@ -19,6 +20,7 @@ from obow.training.run.state import RunError
 __all__ = [
     "check_precision",
     "cpu_supports_bf16",
+    "kernels_restricted_below_bf16",
     "native_bf16",
     "precision_context",
     "resolve_precision",
@@ -44,13 +46,33 @@ def native_bf16(device: torch.device) -> bool:
     instructions. Measured on 2-core AMD EPYCs (docs/results/step_time_cpu.md): with AVX-512 BF16 a
     ``cifar10_fast`` step is 2.1x faster in bf16 than in fp32 (2.5x with channels_last), on an AVX2-only one
     20x slower (PyTorch emulates bfloat16 there). Other CPUs (Arm's bf16 extension among them) answer ``False``:
-    not measured."""
+    not measured.
+
+    A CPU restricted to older kernels answers ``False`` as well: ``ATEN_CPU_CAPABILITY=avx2`` or
+    ``ONEDNN_MAX_CPU_ISA`` below ``AVX512_CORE_BF16`` in the environment (what an AVX2-only CPU runs, for its
+    numbers on a newer one) leave oneDNN no bf16 instructions, and bf16 is emulated there."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     if device.type != "cpu":
         return False
     checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    return any(bool(check()) for check in checks if check is not None)
+    if not any(bool(check()) for check in checks if check is not None):
+        return False
+    return not kernels_restricted_below_bf16()
+
+
+#: ``ONEDNN_MAX_CPU_ISA`` values (oneDNN's names) that leave out every bf16 instruction.
+ISAS_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
+
+
+def kernels_restricted_below_bf16() -> bool:
+    """Whether the environment keeps PyTorch or oneDNN from the CPU's bf16 instructions: ATen's kernels at AVX2
+    or below (``ATEN_CPU_CAPABILITY``), or oneDNN's ISA capped below ``AVX512_CORE_BF16`` (``ONEDNN_MAX_CPU_ISA``,
+    or its older name ``DNNL_MAX_CPU_ISA``)."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+        return True
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    return isa.strip().upper() in ISAS_WITHOUT_BF16
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

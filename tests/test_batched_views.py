@@ -737,8 +737,13 @@ def test_the_dense_render_and_its_compiled_graph_make_the_same_views(mocov2):
 @pytest.mark.slow
 def test_the_render_compiled_by_inductor_makes_the_same_views_to_rounding():
     """Inductor's fused kernels (what a GPU run with ``train.compile: step`` renders with) against the eager render:
-    normalised views within 1e-5 (float32 rounding of a few dozen operations on values of order 1, where a wrong
-    operation, e.g. a dropped hue rotation, moves views by more than 1e-2)."""
+    normalised views within 1e-5 (float32 rounding of a few dozen operations on values of order 1), but for the
+    8-bit ties: the render rounds to a level after each of Pillow's steps, and a fused kernel that rounds a sum
+    in another order sends a tie the other way now and then. With this CPU's AVX-512 kernels none did; with
+    Inductor's AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``) 16 of 75,264 crop values and 43 of 69,360 patch values
+    moved by 1 to 4 levels (a tie in the hue byte moves a pixel's colour by a few levels). So: at most 0.2 % of a
+    kind's values off, by at most 5 levels, where a wrong operation (a dropped hue rotation, below) moves views by
+    more than 1e-2 nearly everywhere."""
     import torch._dynamo
 
     views = BatchedViews(views_cfg(), side=32)
@@ -747,10 +752,15 @@ def test_the_render_compiled_by_inductor_makes_the_same_views_to_rounding():
     torch._dynamo.reset()
     traced = compiled_render(views, torch.device("cpu"))(images, params)
     usual = views.render(images, params)
+    level = 1 / 255 / min(views.cfg.std)  # one level of 255, normalised (the widest)
     for key in usual:
-        torch.testing.assert_close(traced[key], usual[key], rtol=0, atol=1e-5)
-    params.crops.photo.jitter[:] = False
-    assert (views.render(images, params)["crops"] - usual["crops"]).abs().max() > 1e-2
+        off = (traced[key] - usual[key]).abs()
+        assert torch.isfinite(traced[key]).all(), key
+        assert (off > 1e-5).float().mean() <= 0.002, (key, (off > 1e-5).sum())
+        assert off.max() <= 5 * level, (key, off.max() / level)
+    params.crops.photo.jitter[:] = False  # the colour jitter dropped: far outside what the ties above allow
+    dropped = (views.render(images, params)["crops"] - usual["crops"]).abs()
+    assert (dropped > 1e-5).float().mean() > 0.2 and dropped.max() > 5 * level
 
 
 def per_view_stats(crops: torch.Tensor, cfg) -> dict[str, np.ndarray]:

@@ -100,7 +100,7 @@ def test_auto_is_bf16_exactly_where_the_cpu_has_bf16_instructions():
     if "avx2" not in flags:
         pytest.skip("needs an x86 CPU whose flags Linux lists in /proc/cpuinfo (the independent reference)")
     if any(os.environ.get(cap) for cap in KERNEL_CAPS):
-        pytest.skip("this process's kernels are capped: the next test checks auto under caps, in fresh processes")
+        pytest.skip("this process's kernels are capped: the tests below check auto under caps")
     native = "avx512_bf16" in flags or "amx_bf16" in flags  # the instructions oneDNN's fast bf16 kernels use
     cpu = torch.device("cpu")
     assert prec.native_bf16(cpu) is native
@@ -110,14 +110,35 @@ def test_auto_is_bf16_exactly_where_the_cpu_has_bf16_instructions():
 
 
 @pytest.mark.parametrize(
-    "env",
-    [{"ATEN_CPU_CAPABILITY": "avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"DNNL_MAX_CPU_ISA": "avx512_core"}],
-    ids=["aten-avx2", "onednn-avx2", "dnnl-avx512-core"],
+    ("capability", "env", "capped"),
+    [
+        ("AVX512", {}, False),
+        ("AVX2", {}, True),  # ATEN_CPU_CAPABILITY=avx2 (or a CPU whose ATen dispatch stops there)
+        ("DEFAULT", {}, True),  # ATEN_CPU_CAPABILITY=default
+        ("AVX512", {"ONEDNN_MAX_CPU_ISA": "AVX2"}, True),
+        ("AVX512", {"DNNL_MAX_CPU_ISA": " avx512_core "}, True),  # oneDNN's older name, any case
+        ("AVX512", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}, True),
+        ("AVX512", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, False),
+        ("AVX512", {"ONEDNN_MAX_CPU_ISA": "ALL"}, False),
+    ],
 )
-def test_auto_is_fp32_where_the_environment_keeps_the_kernels_from_bf16(env):
-    """A process started with PyTorch's or oneDNN's kernels capped below bf16 (an AVX2-only CPU's kernels on a
-    newer one) emulates bf16, so ``auto`` is fp32 there, whatever the flags; both variables are read when the
-    process starts, hence a fresh one."""
+def test_kernels_capped_below_bf16_are_read_from_atens_capability_and_onednns_isa(monkeypatch, capability, env, capped):
+    for name in KERNEL_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert prec.kernels_restricted_below_bf16() is capped
+    bf16_cpu = {"_is_avx512_bf16_supported": lambda: True, "_is_amx_tile_supported": lambda: False}
+    for name, check in bf16_cpu.items():
+        monkeypatch.setattr(torch.cpu, name, check, raising=False)
+    assert prec.resolve_precision("auto", torch.device("cpu")) == ("fp32" if capped else "bf16")
+
+
+@pytest.mark.slow  # two fresh processes (the caps are read when a process starts)
+def test_auto_is_fp32_in_a_process_whose_kernels_the_environment_caps():
+    """A process started with ATen's kernels capped at AVX2 (an AVX2-only CPU's kernels on a newer one) emulates
+    bf16, so ``auto`` is fp32 there, whatever the flags."""
     flags = _cpu_flags()
     if not ({"avx512_bf16", "amx_bf16"} & flags):
         pytest.skip("needs a CPU with bf16 instructions (elsewhere auto is fp32 anyway)")
@@ -129,10 +150,10 @@ def test_auto_is_fp32_where_the_environment_keeps_the_kernels_from_bf16(env):
 
     def answer(environment: dict[str, str]) -> list[str]:
         done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True)
-        return done.stdout.split()[:2]
+        return done.stdout.split()
 
-    assert answer(clean) == ["True", "bf16"]
-    assert answer({**clean, **env}) == ["False", "fp32"]
+    assert answer(clean) == ["True", "bf16", "AVX512"]
+    assert answer({**clean, "ATEN_CPU_CAPABILITY": "avx2"}) == ["False", "fp32", "AVX2"]
 
 
 def test_an_auto_run_records_its_choice_and_a_resume_keeps_it_on_another_machine(

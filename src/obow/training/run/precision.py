@@ -65,11 +65,15 @@ def native_bf16(device: torch.device) -> bool:
 ISAS_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
 
 
+#: ``torch.backends.cpu.get_cpu_capability()`` values (ATen's dispatch levels on x86) below AVX-512.
+ATEN_BELOW_BF16 = frozenset({"DEFAULT", "NO AVX", "AVX2"})
+
+
 def kernels_restricted_below_bf16() -> bool:
     """Whether the environment keeps PyTorch or oneDNN from the CPU's bf16 instructions: ATen's kernels at AVX2
     or below (``ATEN_CPU_CAPABILITY``), or oneDNN's ISA capped below ``AVX512_CORE_BF16`` (``ONEDNN_MAX_CPU_ISA``,
     or its older name ``DNNL_MAX_CPU_ISA``)."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+    if torch.backends.cpu.get_cpu_capability() in ATEN_BELOW_BF16:
         return True
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
     return isa.strip().upper() in ISAS_WITHOUT_BF16

@@ -11,8 +11,9 @@ of the same round's ratio, scaled by the steps):
         --variant fp32 demo_fp32 --variant short demo_short \\
         --variant small demo_fp32 views.teacher_resize=21 views.teacher_size=18 views.crop_size=13
 
-``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` in the environment runs the kernels an AVX2-only CPU runs
-(oneDNN says which with ``ONEDNN_VERBOSE=1``); their speed is this CPU's, not an AVX2 CPU's.
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`` in the environment runs the
+kernels an AVX2-only CPU runs (oneDNN says which with ``ONEDNN_VERBOSE=1``); their speed is this CPU's, not an AVX2
+CPU's (docs/results/step_profile_cpu.md).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ and, with ``--json``, written with the machine's CPU flags, the command and the 
     python benchmarks/step_profile.py --config demo_fp32 --precision fp32
     python benchmarks/step_profile.py --config cifar10_fast --precision fp32 --json docs/results/profile.json
 
-On a CPU with AVX-512, ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` in the environment makes PyTorch
-and oneDNN use their AVX2 kernels only (what an AVX2-only CPU runs); the JSON records both variables.
+On a CPU with AVX-512, ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`` in the
+environment makes PyTorch, oneDNN and MKL use their AVX2 kernels only (what an AVX2-only CPU runs: their shares,
+not that CPU's seconds, docs/results/step_profile_cpu.md); the JSON records the three variables.
 """
 
 from __future__ import annotations

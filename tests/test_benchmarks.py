@@ -618,6 +618,29 @@ def test_recipe_steps_times_variants_and_counts_their_steps(tiny_recipe, capsys)
         recipe_steps.main([*argv, "--variant", "base", str(tiny_recipe)])  # one variant: nothing to compare
 
 
+def test_the_avx2_pass_lists_its_parts_skips_what_it_is_told_and_refuses_an_avx512_cpu(tmp_path):
+    """``benchmarks/avx2_pass.sh``: a dry run names each part's command in order (the official step only with a copy
+    of the authors' code) and writes nothing; on a CPU with AVX-512 a real run refuses in one line (exit 2)."""
+    script = BENCHMARKS / "avx2_pass.sh"
+    env = {**os.environ, "DRY": "1", "OUT": str(tmp_path / "out"), "SKIP": "busy", "OFFICIAL": "/x/obow"}
+    dry = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stdout.splitlines()
+    assert [line.split(":")[0].split()[0] for line in lines] == ["suite", "demo", "official", "profile", "busy"]
+    assert "demo_time.py" in lines[1] and "--seeds 0 1 2" in lines[1] and "--official '/x/obow'" in lines[2]
+    assert lines[4] == "busy skipped" and not (tmp_path / "out").exists()
+    for name in re.findall(r"benchmarks/(\w+\.py)", dry.stdout):
+        assert (BENCHMARKS / name).is_file(), name
+    del env["OFFICIAL"]
+    assert "official skipped" in subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True).stdout
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file() and "avx512f" in cpuinfo.read_text():
+        env.pop("DRY")
+        refused = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "AVX2-only" in refused.stderr
+        assert not (tmp_path / "out").exists()
+
+
 def test_busy_machine_reads_its_settings_and_a_runs_last_epoch(tmp_path):
     busy_machine = load_script("busy_machine")
     assert busy_machine.parse_setting("obow=") == ("obow", {})

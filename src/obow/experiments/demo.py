@@ -344,7 +344,8 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
         if name == "random init":
             kwargs["arch_options"] = cfg.model.arch_options
         backbone, _ = load_backbone(**kwargs)
-        if cfg.train.channels_last:  # as the run trained: the forward passes 1.5x faster on a CPU at these sizes
+        if cfg.train.channels_last:  # as the run trained; with the single decode the evaluation of a finished demo
+            # took 10.4-10.7 s against 15.0-15.5 s (docs/results/demo.md)
             backbone = backbone.to(memory_format=torch.channels_last)
         train_x, val_x = (decoded_features(backbone, decoded) for decoded in (train_set, val_set))
         row = {"knn_k20": knn_accuracy(train_x, train_y, val_x, val_y, k=20, temperature=0.07)}

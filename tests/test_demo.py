@@ -20,6 +20,7 @@ from obow.experiments.demo import (
     write_digits,
 )
 from obow.methods.obow import OBoW
+from obow.training.run.state import RunError
 from obow.weights.load import load_backbone
 
 
@@ -279,3 +280,11 @@ def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
     assert f"pretraining already done by an earlier obow demo in {saved['pretrain_seconds'] / 60:.1f} min" in out
     assert again["pretrained_earlier"] is True and again["pretrain_seconds"] == saved["pretrain_seconds"]
     assert again["results"] == rows  # the same run, evaluated again
+    # a demo folder from other settings (an earlier obow's recipe, or the user's): the demo's own line, which names
+    # the setting and the way out, not the resume check's advice about checkpoints and epochs
+    with pytest.raises(RunError) as err:
+        run_demo(tmp_path, [*overrides, "model.teacher_momentum=0.8"])
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path} holds a demo run with other settings (model.teacher_momentum: 0.9 -> 0.8)")
+    assert "obow demo --out OTHER_FOLDER" in message and "optim.epochs" not in message and "\n" not in message
+    assert json.loads((tmp_path / "demo_results.json").read_text())["results"] == rows  # nothing lost

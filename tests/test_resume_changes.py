@@ -232,6 +232,23 @@ def test_a_checkpoint_holding_the_warm_up_obow_shortened_is_compared_with_what_w
         check_same_run(cfg(10, 5.0), to_dict(cfg(4, 2.0)), Path("checkpoint.pt"), warmup_as_asked=True)
 
 
+def test_a_change_of_settings_names_each_setting_for_a_caller_to_say_in_its_own_words():
+    """The refusal is a RunError (one line for the user) that also carries the changed settings alone, which the
+    demo puts in its own sentence (tests/test_demo.py); two changes are both named, before and after."""
+    from obow.config import load_config, to_dict
+    from obow.training.run.settings_check import SettingsChanged, check_same_run
+    from obow.training.run.state import RunError
+
+    saved = to_dict(load_config("demo", ["model.teacher_momentum=0.95"]))
+    now = load_config("demo", ["model.num_words=512"])
+    with pytest.raises(SettingsChanged) as err:
+        check_same_run(now, saved, Path("runs/demo/pretrain/checkpoint.pt"))
+    assert isinstance(err.value, RunError)
+    assert err.value.diffs == "model.num_words: 1024 -> 512; model.teacher_momentum: 0.95 -> 0.9"
+    assert str(err.value).startswith("runs/demo/pretrain/checkpoint.pt belongs to a run with other settings (model.num")
+    assert check_same_run(load_config("demo", []), to_dict(load_config("demo", [])), Path("c.pt")) is None
+
+
 def test_the_warm_up_of_a_run_not_longer_than_it_is_half_the_run():
     from obow.schedules import learning_rate, run_warmup
 

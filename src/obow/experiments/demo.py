@@ -310,6 +310,8 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
     from obow.evaluate.monitor import KNNMonitor
     from obow.training.loop import pretrain
     from obow.training.run.precision import resolve_precision
+    from obow.training.run.settings_check import SettingsChanged
+    from obow.training.run.state import RunError
     from obow.weights.load import load_backbone
 
     start = time.time()
@@ -324,7 +326,13 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
     train_dir, val_dir = write_demo_data(dataset, out / "data")
     cfg = load_config(recipe, demo_settings(out, [*chosen, *overrides], train_dir, val_dir))
     log.info("Demo: pretraining %s on %s (recipe '%s')", cfg.model.arch, train_dir, recipe)
-    result = pretrain(cfg, out / "pretrain", monitor=KNNMonitor)
+    try:
+        result = pretrain(cfg, out / "pretrain", monitor=KNNMonitor)
+    except SettingsChanged as err:  # said for the demo: no checkpoint or epochs to know about
+        raise RunError(
+            f"{out} holds a demo run with other settings ({err.diffs}): an earlier obow's recipe or other "
+            f"key=value settings. `obow demo --out OTHER_FOLDER` starts a new demo there; removing {out} starts it here"
+        ) from None
     # a run finished by an earlier call trains nothing now: its time is the one that call wrote down
     pretrained_earlier = bool(result.get("already_finished"))
     pretrain_time = earlier_pretrain_seconds(out) if pretrained_earlier else run_seconds(out / "pretrain" / "log.jsonl")

@@ -35,6 +35,13 @@ RESUMABLE_CHANGES = {
 }
 
 
+class SettingsChanged(RunError):
+    """A checkpoint's run-defining settings differ from the ones asked for now; :attr:`diffs` names them
+    (``key: before -> now``, separated by ``; ``) for a caller that says it in its own words (the demo)."""
+
+    diffs: str = ""
+
+
 def check_same_run(cfg: Config, saved: dict[str, Any], path: Path, *, warmup_as_asked: bool = False) -> int | None:
     """Refuse to resume a checkpoint whose run-defining settings differ from ``cfg``; one change is allowed,
     a larger ``optim.epochs`` (extending the run: the checkpoint's planned epochs are returned, else ``None``).
@@ -56,10 +63,12 @@ def check_same_run(cfg: Config, saved: dict[str, Any], path: Path, *, warmup_as_
         extended_from = before["optim.epochs"]
     if changed:
         diffs = "; ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
-        raise RunError(
+        err = SettingsChanged(
             f"{path} belongs to a run with other settings ({diffs}). Use another --out for a new run, "
             "or the same settings to resume this one (optim.epochs may grow, to extend the run)"
         )
+        err.diffs = diffs
+        raise err
     return extended_from
 
 

@@ -339,11 +339,11 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
 
     # the evaluation images decoded once (the teacher's deterministic view, uint8) for both networks: reading the
     # 4,491 files through a loader for each network cost about as much as the two networks' forward passes
-    train_set, val_set = (
+    train_images, val_images = (
         decode_set(eval_dataset(folder, cfg.views, pixels=True), cfg.views.mean, cfg.views.std)
         for folder in (train_dir, val_dir)
     )
-    train_y, val_y = train_set.labels, val_set.labels
+    train_y, val_y = train_images.labels, val_images.labels
     rows = {}
     for name, kwargs in (
         ("random init", {"random_init": True, "arch": cfg.model.arch, "stem": cfg.model.stem, "seed": cfg.train.seed}),
@@ -355,7 +355,7 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
         if cfg.train.channels_last:  # as the run trained; with the single decode the evaluation of a finished demo
             # took 10.4-10.7 s against 15.0-15.5 s (docs/results/demo.md)
             backbone = backbone.to(memory_format=torch.channels_last)
-        train_x, val_x = (decoded_features(backbone, decoded) for decoded in (train_set, val_set))
+        train_x, val_x = (decoded_features(backbone, images) for images in (train_images, val_images))
         row = {"knn_k20": knn_accuracy(train_x, train_y, val_x, val_y, k=20, temperature=0.07)}
         row.update({k: float(v) for k, v in feature_diagnostics(val_x).items()})
         for shots in (1, 5):

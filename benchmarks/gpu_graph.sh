@@ -15,7 +15,8 @@
 # exit status and time), all.log, throughput.json (the finished parts' medians) and throughput.md.
 # The caps come from measured times: a cold process spends 10-15 s on imports, the device pipeline's cache and
 # cuDNN's tuning before its first timed step (a first benchmark process took over 45 s on an H200), the eager
-# cifar10_resnet18 step at batch 512 took 0.2 s (2,520 images/s, H100); the cache is decoded once ($CACHE) and shared.
+# cifar10_resnet18 step at batch 512 took 0.2 s (2,520 images/s, H100, 2026-11-27; 5,689 eager and 10,908 graphed on an H200,
+# 2026-11-29, when in20 and r50 needed 16-18 s before their first round); the cache is decoded once ($CACHE) and shared.
 # Parts, in order of value:
 #   smoke: cifar10_resnet18 at batch 512, bf16 + channels_last, device pipeline (benchmarks/gpu_graph.py): the
 #          capture's time and the first replay's, 50 steps graphed against 50 eager from one state (losses, and
@@ -24,7 +25,9 @@
 #          channels_last, batch 512, median of 3 alternating rounds of 30 timed steps after 6 warm-up steps (the
 #          first logged; the capture in the warm-up, reported apart);
 #   c10r18_rec, c10fast_rec: the same at the recipes' own batch and precision (fp32: TF32 on the tensor cores now);
-#   in20, r50: imagenet20_resnet18_full and imagenet_resnet50_full at their recipes' batch (r50 at 128), if time remains.
+#   in20, r50: imagenet20_resnet18_full and imagenet_resnet50_full at their recipes' batch (r50 at 128), if time remains;
+#   views_render, views_noblur, views_workers: the device views on Imagenette at 160 px (render alone, without the
+#          blur) against the loader workers on this machine's cores (benchmarks/render.py, loader_throughput.py).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_graph_out}
@@ -43,10 +46,12 @@ if [ "$SMALL" = 1 ]; then # the dry run: every part, tiny, its caps CAPX times t
     CAPX=${CAPX:-6}
     B_BIG="data.batch_size=8" B_REC="data.batch_size=8" B_R50="data.batch_size=4" IPC="data.images_per_class=8"
     SMX="--steps 8 --replays 2 --min-images 32" TPX="--warmup 5 --steps 1 --rounds 1 --min-images 32"
+    RX="--warmup 1 --steps 1 --rounds 1 data.batch_size=8" LX="--workers 1 --samples 16 --steps 1 --batch 8"
 else
     CAPX=${CAPX:-1}
     B_BIG="data.batch_size=512" B_REC="" B_R50="data.batch_size=128" IPC="data.images_per_class=1000"
     SMX="--steps 50 --replays 20" TPX="--warmup 5 --steps 30 --rounds 3"
+    RX="--warmup 3 --steps 10 --rounds 3" LX="--workers 8 16 --samples 400 --steps 5 --batch 256"
 fi
 STANDIN=""
 FAST="train.precision=bf16 train.channels_last=true"
@@ -65,7 +70,17 @@ part c10r18_512 $((95 * CAPX)) $TP --config cifar10_resnet18 --data "$C10/train"
 part c10fast_512 $((65 * CAPX)) $TP --config cifar10_fast --data "$C10/train" $IPC $B_BIG $FAST
 part c10r18_rec $((55 * CAPX)) $TP --config cifar10_resnet18 --data "$C10/train" $IPC $B_REC
 part c10fast_rec $((45 * CAPX)) $TP --config cifar10_fast --data "$C10/train" $IPC $B_REC
-part in20 $((40 * CAPX)) $TP --config imagenet20_resnet18_full --data "$INETTE/train" $B_REC data.images_per_class=null $FAST
-part r50 $((40 * CAPX)) $TP --config imagenet_resnet50_full --data "$INETTE/train" $B_R50 data.images_per_class=null $FAST
+part in20 $((70 * CAPX)) $TP --config imagenet20_resnet18_full --data "$INETTE/train" $B_REC data.images_per_class=null $FAST
+part r50 $((70 * CAPX)) $TP --config imagenet_resnet50_full --data "$INETTE/train" $B_R50 data.images_per_class=null $FAST
+# The device views at Imagenette's own size (160 px, kept whole in the cache) against the loader workers (issue 64):
+# the render alone (images/s of source images), the render without the blur (the blur's cost is the difference), the
+# worker pipeline (JPEG decoding + the same views on this machine's cores) feeding the same recipe's step.
+VIEWS="--config imagenette_resnet18 --device $DEVICE --modes eager $RX data.cache_size=160"
+# shellcheck disable=SC2086
+part views_render $((40 * CAPX)) python3 benchmarks/render.py $VIEWS
+# shellcheck disable=SC2086
+part views_noblur $((40 * CAPX)) python3 benchmarks/render.py $VIEWS views.blur_prob=0
+# shellcheck disable=SC2086
+part views_workers $((60 * CAPX)) python3 benchmarks/loader_throughput.py --config imagenette_resnet18 --data "$INETTE/train" --device "$DEVICE" $LX
 grep -h -A8 "alternating" "$OUT/all.log" | grep "^|\|alternating" > "$OUT/throughput.md"
 echo "total $(($(date +%s) - T0))s" | tee -a "$OUT/summary.txt"

@@ -18,7 +18,9 @@ SEED --jobs 2 --budget EPOCHS --curve-every max(1, EPOCHS // 10) --random-init l
 device call returns); and ``merge``, which adds a returned OUT to the table folder seed by seed
 (:func:`obow.experiments.tables.merge.merge_records`), with ``curves/``, ``calls/``, ``curves.md`` and the paired
 verdict ``paired.md``. With ``--like FOLDER`` (a later seed) there is no probe: the recipe, epochs and changes are
-the folder's. Tested on a CPU: ``tests/test_gpu_claim.py``.
+the folder's; nor with ``--recipe``, ``--step`` and ``--epochs`` all given. ``--resume`` lets ``--runs`` hold an earlier
+call's rows, which resume from their checkpoints: a run longer than one call, continued by the next call on the
+same (warm) machine. Tested on a CPU: ``tests/test_gpu_claim.py``.
 """
 
 from __future__ import annotations
@@ -337,8 +339,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, received)
     runs = Path(args.runs)
-    if runs.exists() and any(runs.iterdir()):
-        raise SystemExit(f"{runs} holds an earlier call's files: give another --runs")
+    planned = args.like is None and args.epochs > 0 and "auto" not in (args.recipe, args.step)
+    if args.resume and not (planned or args.like):
+        raise SystemExit("--resume continues an earlier call's rows: give its --recipe, --step and --epochs (or --like)")
+    if runs.exists() and any(runs.iterdir()) and not args.resume:
+        raise SystemExit(f"{runs} holds an earlier call's files: give another --runs, or --resume to continue them")
     runs.mkdir(parents=True, exist_ok=True)
     call.claim["machine"] = machine = machine_description()
     call.say(f"machine: {machine}; deadline {args.deadline} s, seed {args.seed}; imports {call.import_s:.1f} s")
@@ -366,6 +371,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         step = next((o.split("=", 1)[1] for o in overrides if o.startswith("train.compile=")), "off")
         call.say(f"--like {args.like}: {recipe}, {epochs} epochs, its changes {' '.join(overrides)} (no probe)")
         call.claim["choice"] = {"recipe": recipe, "step": step, "epochs": epochs, "like": args.like}
+    elif planned:
+        recipe, step, epochs = args.recipe, args.step, args.epochs
+        resumed = (runs / TABLE).is_dir()
+        call.say(
+            f"{recipe}, step {step}, {epochs} epochs given: no probe"
+            + ("; the rows in --runs resume from their checkpoints" if resumed else "")
+        )
+        call.claim["choice"] = {"recipe": recipe, "step": step, "epochs": epochs, "planned": True, "resumed": resumed}
+        overrides = table_overrides(recipe, step, args.batch, args.extra)
     else:
         decided = choose(call, data, decode_s)
         if decided is None:
@@ -465,6 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--epochs", type=int, default=0, help="train this many epochs whatever fits (a dry run's cut)")
     r.add_argument("--curve-every", type=int, default=0, help="epochs between two kNN points (0: a tenth of the run)")
     r.add_argument("--like", help="a table folder: a later seed with its recipe, epochs and changes (no probe)")
+    r.add_argument(
+        "--resume", action="store_true",
+        help="--runs holds an earlier call's rows (same seed, recipe, step, epochs): they resume from their checkpoints",
+    )  # fmt: skip
     r.add_argument("--extra", nargs="*", default=[], help="more key=value changes for every row")
     r.add_argument("--probe-s", type=float, default=40, help="the longest a probe may take")
     r.add_argument("--probe-measure", type=float, default=12, help="seconds of steps a probe times after warm-up")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -309,3 +310,70 @@ def test_a_dry_run_of_the_call_probes_chooses_copies_as_it_grows_and_returns_cur
         assert claimed["rows"][slug]["epochs_done"] >= curve[-1]["epoch"]
     assert not (out / "table.json").exists()  # nothing evaluated: the rows were cut while training
     assert len(list(out.iterdir())) <= 8  # what a device call returns
+
+
+def claim_command(tmp_path: Path, out: Path, *more: str) -> list[str]:
+    """The call on the tiny two-level recipe with its recipe, step and epochs given (no probe), 2 steps an epoch."""
+    recipe = tmp_path / "tiny.yaml"
+    if not recipe.exists():
+        recipe.write_text(TWO_LEVEL_RECIPE)
+    return [
+        sys.executable, str(SCRIPT), "run", "--data", str(tmp_path / "c10"), "--out", str(out),
+        "--runs", str(tmp_path / "runs"), "--deadline", "300", "--recipe", str(recipe), "--step", "off",
+        "--epochs", "12", "--batch", "0", "--curve-every", "4", "--decode-sample", "5", "--copy-every", "1",
+        *more, "--extra", "train.log_every=1",
+    ]  # fmt: skip
+
+
+def epochs_logged(log: Path) -> list[int]:
+    if not log.exists():
+        return []
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    return [r["epoch"] for r in records if r.get("type") == "epoch"]
+
+
+@pytest.mark.slow
+def test_a_planned_call_runs_no_probe_and_the_next_call_resumes_its_stopped_rows(tmp_path, write_images):
+    """Recipe, step and epochs given: no probe. The call stopped (SIGTERM, as its deadline does) after the rows'
+    first epochs leaves checkpoints; the same command again is refused unless told ``--resume``, and with it the
+    rows continue from their checkpoints to the 12 epochs, each epoch logged once, and the table is evaluated."""
+    write_images(tmp_path / "c10" / "train", per_class=8, size=32)
+    write_images(tmp_path / "c10" / "test", per_class=6, size=32, seed=1)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    first_out = tmp_path / "out1"
+    first = subprocess.Popen(
+        claim_command(tmp_path, first_out), env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    logs = [first_out / f"{slug}-seed0.log.jsonl" for slug in ("obow_full", "moco_v2_our_aug")]
+    started = time.monotonic()
+    while first.poll() is None and not all(epochs_logged(log) for log in logs):
+        assert time.monotonic() - started < 240, "no epoch logged by both rows"
+        time.sleep(0.5)
+    first.send_signal(signal.SIGTERM)
+    printed = first.communicate(timeout=120)[0].decode()
+    summary = (first_out / "summary.txt").read_text()
+    assert "no probe" in summary and "probe " not in summary.replace("no probe", ""), printed
+    assert json.loads((first_out / "claim.json").read_text())["choice"]["resumed"] is False
+    assert not (first_out / "table.json").exists(), printed  # stopped while training
+    done_first = {log.name: epochs_logged(log) for log in logs}
+    assert all(0 < len(epochs) < 12 for epochs in done_first.values()), done_first
+
+    refused = subprocess.run(
+        claim_command(tmp_path, tmp_path / "out2"), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert refused.returncode != 0 and "--resume to continue them" in refused.stderr, refused.stderr
+
+    second_out = tmp_path / "out3"
+    second = subprocess.run(
+        claim_command(tmp_path, second_out, "--resume"), env=env, cwd=tmp_path, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resume from their checkpoints" in (second_out / "summary.txt").read_text()
+    assert json.loads((second_out / "claim.json").read_text())["choice"]["resumed"] is True
+    table = json.loads((second_out / "table.json").read_text())
+    assert {"obow_full", "moco_v2_our_aug"} <= {row["slug"] for row in table["rows"]}, table["rows"]
+    for log in logs:
+        epochs = epochs_logged(second_out / log.name)
+        assert epochs == list(range(1, 13)), (log.name, epochs)  # each epoch once, the first call's kept
+        assert epochs[: len(done_first[log.name])] == done_first[log.name]

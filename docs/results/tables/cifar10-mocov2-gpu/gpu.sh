@@ -18,8 +18,12 @@
 # ../shared/data (unpack.py there, 2-3 s). RECIPE: auto (cifar10_resnet18 when MIN_EPOCHS fit, else cifar10_fast)
 # or one recipe; STEP: auto (train.compile=graph when this tree takes it and it is faster, else off), graph or off;
 # BATCH (default 512; 0: the recipe's), the learning rate scaled linearly from the recipe's; EPOCHS: train that many
-# whatever fits (a dry run's cut); EXTRA: more key=value changes for every row; ARGS: more options of
-# `gpu_claim.py run` (its --help); RUNS: where the runs and checkpoints go (they stay on the machine).
+# whatever fits (a dry run's cut; with RECIPE and STEP given too, no probe); EXTRA: more key=value changes for every
+# row; ARGS: more options of `gpu_claim.py run` (its --help); RUNS: where the runs and checkpoints go (they stay on the
+# machine); RESUME=1: RUNS holds an earlier call's rows, which resume (the second call of a run longer than one call,
+# on the same warm machine):
+#   OUT=$OUT RECIPE=cifar10_fast STEP=graph EPOCHS=50 RUNS=/tmp/claim DEADLINE=570 bash .../gpu.sh        # timeout_s 600
+#   OUT=$OUT RECIPE=cifar10_fast STEP=graph EPOCHS=50 RUNS=/tmp/claim RESUME=1 DEADLINE=300 bash .../gpu.sh  # if cut
 # What comes back in $OUT (8 files at most): summary.txt, all.log, claim.json (probes, estimate, choice, progress,
 # each row's config), table.json, table.md, plan.json, obow_full-seedN.log.jsonl, moco_v2_our_aug-seedN.log.jsonl.
 # Dry runs on the CPU (2026-11-28, a tiny CIFAR-10 of 40 images per split, unpack.py --per-class 4; 2 busy cores;
@@ -48,5 +52,5 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # shellcheck disable=SC2086
 exec "$PYTHON" benchmarks/gpu_claim.py run --data "$C10" --out "$OUT" --runs "${RUNS:-/tmp/gpu_claim-$T0}" \
     --t0 "$T0" --deadline "${DEADLINE:-540}" --seed "${SEED:-0}" --recipe "${RECIPE:-auto}" --step "${STEP:-auto}" \
-    --batch "${BATCH:-512}" --min-epochs "${MIN_EPOCHS:-50}" --epochs "${EPOCHS:-0}" ${LIKE:+--like "$LIKE"} \
+    --batch "${BATCH:-512}" --min-epochs "${MIN_EPOCHS:-50}" --epochs "${EPOCHS:-0}" ${LIKE:+--like "$LIKE"} ${RESUME:+--resume} \
     --extra ${EXTRA:-} ${ARGS:-}

@@ -341,7 +341,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     runs = Path(args.runs)
     planned = args.like is None and args.epochs > 0 and "auto" not in (args.recipe, args.step)
     if args.resume and not (planned or args.like):
-        raise SystemExit("--resume continues an earlier call's rows: give its --recipe, --step and --epochs (or --like)")
+        raise SystemExit("--resume continues an earlier call's rows: give their --recipe, --step and --epochs")
     if runs.exists() and any(runs.iterdir()) and not args.resume:
         raise SystemExit(f"{runs} holds an earlier call's files: give another --runs, or --resume to continue them")
     runs.mkdir(parents=True, exist_ok=True)
@@ -481,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--like", help="a table folder: a later seed with its recipe, epochs and changes (no probe)")
     r.add_argument(
         "--resume", action="store_true",
-        help="--runs holds an earlier call's rows (same seed, recipe, step, epochs): they resume from their checkpoints",
+        help="--runs holds an earlier call's rows (same seed, recipe, step, epochs): they go on from their checkpoints",
     )  # fmt: skip
     r.add_argument("--extra", nargs="*", default=[], help="more key=value changes for every row")
     r.add_argument("--probe-s", type=float, default=40, help="the longest a probe may take")

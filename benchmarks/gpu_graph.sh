@@ -27,7 +27,9 @@
 #   c10r18_rec, c10fast_rec: the same at the recipes' own batch and precision (fp32: TF32 on the tensor cores now);
 #   in20, r50: imagenet20_resnet18_full and imagenet_resnet50_full at their recipes' batch (r50 at 128), if time remains;
 #   views_render, views_noblur, views_workers: the device views on Imagenette at 160 px (render alone, without the
-#          blur) against the loader workers on this machine's cores (benchmarks/render.py, loader_throughput.py).
+#          blur) against the loader workers on this machine's cores (benchmarks/render.py, loader_throughput.py);
+#   render_in20, profile_in20: imagenet20_resnet18_full's render eager, dense and graphed at its batch (160 px), and
+#          a profile of 5 graphed steps end to end (benchmarks/gpu_profile.py): where the end-to-end rate goes.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_graph_out}
@@ -47,11 +49,13 @@ if [ "$SMALL" = 1 ]; then # the dry run: every part, tiny, its caps CAPX times t
     B_BIG="data.batch_size=8" B_REC="data.batch_size=8" B_R50="data.batch_size=4" IPC="data.images_per_class=8"
     SMX="--steps 8 --replays 2 --min-images 32" TPX="--warmup 5 --steps 1 --rounds 1 --min-images 32"
     RX="--warmup 1 --steps 1 --rounds 1 data.batch_size=8" LX="--workers 1 --samples 16 --steps 1 --batch 8"
+    PX="--steps 1 --warmup 2 data.batch_size=8"
 else
     CAPX=${CAPX:-1}
     B_BIG="data.batch_size=512" B_REC="" B_R50="data.batch_size=128" IPC="data.images_per_class=1000"
     SMX="--steps 50 --replays 20" TPX="--warmup 5 --steps 30 --rounds 3"
     RX="--warmup 3 --steps 10 --rounds 3" LX="--workers 8 16 --samples 400 --steps 5 --batch 256"
+    PX="--steps 5 --warmup 8"
 fi
 STANDIN=""
 FAST="train.precision=bf16 train.channels_last=true"
@@ -82,5 +86,12 @@ part views_render $((40 * CAPX)) python3 benchmarks/render.py $VIEWS
 part views_noblur $((40 * CAPX)) python3 benchmarks/render.py $VIEWS views.blur_prob=0
 # shellcheck disable=SC2086
 part views_workers $((60 * CAPX)) python3 benchmarks/loader_throughput.py --config imagenette_resnet18 --data "$INETTE/train" --device "$DEVICE" $LX
+# Where in20 lost half its step's rate end to end (2026-11-29: graphed step alone 3,714 images/s, end to end about
+# 2,080): the render eager, dense (what a graph replays) and graphed at the recipe's batch, then a profile of a few
+# graphed steps end to end (benchmarks/gpu_profile.py: device busy fraction, launches, the views' and the step's parts).
+# shellcheck disable=SC2086
+part render_in20 $((60 * CAPX)) python3 benchmarks/render.py --config imagenet20_resnet18_full --device "$DEVICE" --modes eager dense graphed $RX data.cache_size=160
+# shellcheck disable=SC2086
+part profile_in20 $((70 * CAPX)) python3 benchmarks/gpu_profile.py --config imagenet20_resnet18_full --data "$INETTE/train" --device "$DEVICE" --cache-dir "$CACHE" $PX data.images_per_class=null train.compile=graph $FAST
 grep -h -A8 "alternating" "$OUT/all.log" | grep "^|\|alternating" > "$OUT/throughput.md"
 echo "total $(($(date +%s) - T0))s" | tee -a "$OUT/summary.txt"

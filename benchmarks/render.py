@@ -9,6 +9,9 @@ the random parameters drawn on the host each time as a run draws them, three way
 * ``dense``: eager, every view through every operation, kept where drawn (what a compiled render traces);
 * ``compiled``: ``dense`` compiled by Inductor into one graph (:func:`obow.data.batched_views.compiled_render`,
   what ``train.compile: step`` uses on a GPU); its first call, the compilation, is timed apart;
+* ``graphed``: the dense render captured once as a CUDA graph and replayed
+  (:func:`obow.data.batched_views.graphed_render`, what ``train.compile: graph`` uses with the device pipeline; on a
+  CPU the tape stands in for the CUDA graph); its first call, the capture, is timed apart;
 * ``baseline`` (with ``--baseline REF``): the eager render of ``src/obow/data/batched_views.py`` as it was at the
   git commit ``REF`` (``git show``, loaded as a module of its own), e.g. ``6aa5d3d``, the last with ``roi_align``
   resampling and float colour maths: the cost of Pillow's filter and rounding, in the same alternating rounds.
@@ -40,11 +43,12 @@ from pathlib import Path
 import torch
 
 from obow.config import load_config
-from obow.data.batched_views import compiled_render
+from obow.data.batched_views import compiled_render, graphed_render
 from obow.data.device_loader import made_ahead
+from obow.graphs import CudaStepGraph, TapeGraph
 from obow.methods import build_batched_views, views_side
 
-MODES = ("eager", "dense", "compiled", "baseline")
+MODES = ("eager", "dense", "compiled", "graphed", "baseline")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -111,6 +115,14 @@ def main(argv: list[str] | None = None) -> dict:
         synchronize(device)
         compile_s = time.perf_counter() - start
         renders["compiled"] = compiled
+    capture_s = None
+    if "graphed" in args.modes:
+        graphed = graphed_render(views, device, CudaStepGraph if device.type == "cuda" else TapeGraph)
+        start = time.perf_counter()
+        graphed(images, views.draw(batch, generator))
+        synchronize(device)
+        capture_s = time.perf_counter() - start
+        renders["graphed"] = graphed
     state = generator.get_state()
     reference = views.render(images, views.draw(batch, generator))
     max_abs_diff = {}
@@ -150,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         "compile_backend": args.compile_backend,
         "baseline": args.baseline,
         "compile_s": compile_s,
+        "capture_s": capture_s,
         "max_abs_diff": max_abs_diff,
         "ahead_equal": ahead_equal,
         "images_per_s": {mode: statistics.median(r) for mode, r in rounds.items()},
@@ -161,6 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {mode:9s} {rate:10.0f}  (rounds: {', '.join(f'{r:.0f}' for r in rounds[mode])})")
     if compile_s is not None:
         print(f"  compilation (first compiled call): {compile_s:.1f} s")
+    if capture_s is not None:
+        print(f"  capture (first graphed call): {capture_s:.2f} s")
     print(f"  largest difference from the eager views: {max_abs_diff}")
     if "baseline" in rounds:
         ratio = result["images_per_s"]["eager"] / result["images_per_s"]["baseline"] if "eager" in rounds else None

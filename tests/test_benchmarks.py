@@ -326,18 +326,22 @@ def test_views_libraries_compares_obow_with_the_installed_libraries(tmp_path):
 
 
 @pytest.mark.slow
-def test_render_times_the_eager_dense_and_compiled_renders_in_the_same_rounds(tmp_path, capsys):
+def test_render_times_the_eager_dense_compiled_and_graphed_renders_in_the_same_rounds(tmp_path, capsys):
     render = load_script("render")
     out = tmp_path / "render.json"
     result = render.main(["--config", "cifar10_fast", "--device", "cpu", "--warmup", "1", "--steps", "1", "--rounds",
-                          "2", "--compile-backend", "aot_eager", "--json", str(out), "data.batch_size=4"])  # fmt: skip
+                          "2", "--compile-backend", "aot_eager", "--json", str(out), "data.batch_size=4",
+                          "--modes", "eager", "dense", "compiled", "graphed"])  # fmt: skip
     assert json.loads(out.read_text()) == result
-    assert set(result["images_per_s"]) == {"eager", "dense", "compiled"} and result["compile_s"] > 0
+    assert set(result["images_per_s"]) == {"eager", "dense", "compiled", "graphed"} and result["compile_s"] > 0
+    assert result["capture_s"] > 0  # the tape stands in for the CUDA graph on a CPU
     assert all(len(r) == 2 and min(r) > 0 for r in result["rounds"].values())
     assert result["batch"] == 4 and result["side"] == 46
-    assert result["max_abs_diff"] == {"eager": 0.0, "dense": 0.0, "compiled": 0.0}  # aot_eager: the same operators
+    # aot_eager and the graph replay the same operators on the same draws
+    assert result["max_abs_diff"] == {"eager": 0.0, "dense": 0.0, "compiled": 0.0, "graphed": 0.0}
     assert result["ahead_equal"] is None  # no streams on a CPU
-    assert "compilation (first compiled call)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "compilation (first compiled call)" in printed and "capture (first graphed call)" in printed
 
 
 def test_render_times_the_render_of_a_git_commit_beside_todays(capsys):
@@ -405,7 +409,11 @@ def test_gpu_profile_runs_on_the_cpu(throughput, tmp_path, tiny_recipe, write_im
     [
         ("gpu_throughput.sh", {"c10r18", "c10r18_big", "quality", "profile", "libraries"}),
         ("gpu_compile.sh", {"checks", "checks_moco", "render", "c10r18", "c10fast", "in20", "r50", "monitor"}),
-        ("gpu_graph.sh", {"smoke", "c10r18_512", "c10fast_512", "c10r18_rec", "c10fast_rec", "in20", "r50"}),
+        (
+            "gpu_graph.sh",
+            {"smoke", "c10r18_512", "c10fast_512", "c10r18_rec", "c10fast_rec", "in20", "r50", "views_render",
+             "views_noblur", "views_workers"},
+        ),  # fmt: skip
     ],
 )
 def test_gpu_pass_skips_what_it_is_told_and_keeps_its_deadline(tmp_path, script, expected):

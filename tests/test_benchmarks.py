@@ -411,8 +411,18 @@ def test_gpu_profile_runs_on_the_cpu(throughput, tmp_path, tiny_recipe, write_im
         ("gpu_compile.sh", {"checks", "checks_moco", "render", "c10r18", "c10fast", "in20", "r50", "monitor"}),
         (
             "gpu_graph.sh",
-            {"smoke", "c10r18_512", "c10fast_512", "c10r18_rec", "c10fast_rec", "in20", "r50", "views_render",
-             "views_noblur", "views_workers"},
+            {
+                "smoke",
+                "c10r18_512",
+                "c10fast_512",
+                "c10r18_rec",
+                "c10fast_rec",
+                "in20",
+                "r50",
+                "views_render",
+                "views_noblur",
+                "views_workers",
+            },
         ),  # fmt: skip
     ],
 )

@@ -178,7 +178,10 @@ BUILD = textwrap.dedent(
         time.sleep(0.02)
         return decode(*args)
 
-    cache._decode = slowly
+    cache._decode = slowly  # the forked decoding processes inherit it too
+    if sys.argv[1] == "build-processes":  # the decoding pool however few the images, in chunks of 8
+        cache.PROCESS_MIN_IMAGES, cache.CHUNK_IMAGES = 1, 8
+        sys.argv[1] = "build"
     if sys.argv[1] == "build":  # the build alone, as `obow pretrain` calls it (cheaper: no recipe, no model)
         from obow.data.folders import scan_images
 
@@ -196,7 +199,7 @@ def start_build(tmp_path, tiny_recipe, via: str = "cli") -> tuple[subprocess.Pop
     write_images(tmp_path / "data" / "a", 300, side=8)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     data, folder = str(tmp_path / "data"), str(tmp_path / "cache")
-    command = [sys.executable, "-c", BUILD, "build", data, folder] if via == "build" else [
+    command = [sys.executable, "-c", BUILD, via, data, folder] if via.startswith("build") else [
         sys.executable, "-c", BUILD, "pretrain", "--config", str(tiny_recipe), "--data", data,
         "--out", str(tmp_path / "run"), "data.pipeline=device", f"data.cache_dir={folder}",
     ]  # fmt: skip
@@ -212,6 +215,7 @@ def start_build(tmp_path, tiny_recipe, via: str = "cli") -> tuple[subprocess.Pop
     ("signum", "code", "via"),
     [
         (signal.SIGTERM, 143, "build"),
+        (signal.SIGTERM, 143, "build-processes"),
         pytest.param(signal.SIGTERM, 143, "cli", marks=pytest.mark.slow),
         pytest.param(signal.SIGINT, 130, "cli", marks=pytest.mark.slow),
         pytest.param(signal.SIGHUP, 129, "cli", marks=pytest.mark.slow),
@@ -315,3 +319,26 @@ def test_a_signal_during_a_rebuild_under_a_run_stops_it_at_a_checkpoint_not_as_a
     monkeypatch.setattr(cache_module, "decoded_in_order", real)
     assert obow_cli(*args, "optim.epochs=2").code == 0
     assert torch.load(checkpoint, weights_only=False)["iteration"] == 8
+
+
+def test_worker_processes_decode_what_one_thread_does_in_order_unreadable_files_included(tmp_path, monkeypatch):
+    """A large folder is decoded by forked worker processes in chunks (here every folder, in chunks of 4): the same
+    pixels, sizes and reasons, in the folder's order, as one by one in this thread; the whole cache file is the same
+    bytes either way."""
+    write_images(tmp_path / "data" / "a", 21, side=14)
+    (tmp_path / "data" / "a" / "010.png").write_bytes(b"not a png")  # unreadable: left out, its reason kept
+    images = scan_images(str(tmp_path / "data"), labels="folders")
+    one_by_one = list(cache_module.decoded_in_order(images.paths, 10, False, workers=1))
+    monkeypatch.setattr(cache_module, "PROCESS_MIN_IMAGES", 1)
+    monkeypatch.setattr(cache_module, "CHUNK_IMAGES", 4)
+    pooled = list(cache_module.decoded_in_order(images.paths, 10, False, workers=2))
+    assert len(pooled) == len(one_by_one) == 21
+    for (a, why_a), (b, why_b) in zip(one_by_one, pooled, strict=True):
+        assert why_a == why_b and (a is None) == (b is None)
+        assert a is None or (a.shape == b.shape == (3, 10, 10) and np.array_equal(a, b))
+    assert pooled[10][0] is None and pooled[10][1]
+    monkeypatch.setattr(cache_module.os, "cpu_count", lambda: 2)
+    by_pool = build_cache(images, 10, cache_dir=tmp_path / "pooled")
+    monkeypatch.setattr(cache_module, "PROCESS_MIN_IMAGES", 10**9)
+    by_thread = build_cache(images, 10, cache_dir=tmp_path / "thread")
+    assert np.array_equal(by_pool.pixels, by_thread.pixels) and len(by_pool.images) == 20

@@ -342,3 +342,13 @@ def test_worker_processes_decode_what_one_thread_does_in_order_unreadable_files_
     monkeypatch.setattr(cache_module, "PROCESS_MIN_IMAGES", 10**9)
     by_thread = build_cache(images, 10, cache_dir=tmp_path / "thread")
     assert np.array_equal(by_pool.pixels, by_thread.pixels) and len(by_pool.images) == 20
+
+
+def test_a_decoding_task_holds_at_most_256_images_and_16_mib():
+    """An image counted as side x 2 side x 3 bytes: at 64 px, 682 fit in 16 MiB, so 256; at the CIFAR-10 recipes'
+    115 px, 16 MiB / 79,350 bytes = 211; at the paper's views' 654 px, 16 MiB / 2,566,296 bytes = 6; an image
+    larger than 16 MiB: one."""
+    assert cache_module.chunk_images(64) == 256
+    assert cache_module.chunk_images(115) == 211
+    assert cache_module.chunk_images(654) == (16 << 20) // (6 * 654 * 654) == 6
+    assert cache_module.chunk_images(4000) == 1

@@ -57,6 +57,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import time
 import zlib
 from collections import Counter, deque
@@ -384,9 +385,17 @@ def _decode(path: str, side: int, exact: bool) -> tuple[np.ndarray | None, str]:
 #: A folder of at least this many images is decoded by worker processes (:func:`decoded_in_order`); a smaller one in
 #: the calling thread, where a pool's start would cost more than it saves.
 PROCESS_MIN_IMAGES = 4096
-#: Images a worker process decodes per task: few enough to keep the memory held ahead small, many enough that a
-#: task's round trip is a small part of its time (a 32 px image decodes in about 0.2 ms).
+#: The most images a worker process decodes per task: many enough that a task's round trip is a small part of its
+#: time (a 32 px image decodes in about 0.2 ms)...
 CHUNK_IMAGES = 256
+#: ... and the most bytes of decoded pixels per task (counting an image as twice its side squared, for its longer
+#: side): with two tasks per worker ahead of the writer, 16 workers hold at most 512 MiB ahead.
+CHUNK_BYTES = 16 << 20
+
+
+def chunk_images(side: int) -> int:
+    """Images per decoding task at a cached side of ``side`` px (:data:`CHUNK_IMAGES`, :data:`CHUNK_BYTES`)."""
+    return max(1, min(CHUNK_IMAGES, CHUNK_BYTES // (6 * side * side)))
 
 
 def _decode_chunk(paths: Sequence[str], side: int, exact: bool) -> list[tuple[np.ndarray | None, str]]:
@@ -406,9 +415,9 @@ def decoding_pool(workers: int) -> ProcessPoolExecutor | None:
     """``workers`` decoding processes forked from this one (as PyTorch's DataLoader starts its workers on Linux):
     they run Pillow and NumPy only, and a fork imports nothing again and never runs the caller's ``__main__``
     (a spawned worker would: a script without a ``__main__`` guard would start over in each). ``None`` where the
-    platform cannot fork (the images are then decoded in the calling thread)."""
-    if "fork" not in multiprocessing.get_all_start_methods():
-        return None
+    platform is not Linux (the images are then decoded in the calling thread)."""
+    if not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
+        return None  # macOS can fork, but its system libraries are not safe in a forked child
     context = multiprocessing.get_context("fork")
     return ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_stop_signals)
 
@@ -417,10 +426,10 @@ def decoded_in_order(
     paths: Sequence[str], side: int, exact: bool, workers: int
 ) -> Generator[tuple[np.ndarray | None, str], None, None]:
     """:func:`_decode` of every path, in order: by ``workers`` processes (:func:`decoding_pool`) for a folder of
-    :data:`PROCESS_MIN_IMAGES` or more, in chunks of :data:`CHUNK_IMAGES`, at most two chunks per worker ahead of
+    :data:`PROCESS_MIN_IMAGES` or more, in chunks (:func:`chunk_images`), at most two chunks per worker ahead of
     the caller (not the whole folder decoded into memory while the file is written); else one by one here. A
     thread pool was measured slower than one thread (Python holds its lock through most of a small image's
-    decoding): CIFAR-10's 50,000 images took 20.3 s with 8 threads and 9 s with one, on 2 cores. The chunks not
+    decoding): CIFAR-10's 50,000 images took 20.3 s with 8 threads and 8.1-8.6 s with one, on 2 cores. The chunks not
     started yet are dropped when the caller stops (a signal)."""
     pool = decoding_pool(workers) if workers >= 2 and len(paths) >= PROCESS_MIN_IMAGES else None
     if pool is None:
@@ -428,7 +437,8 @@ def decoded_in_order(
             yield _decode(path, side, exact)
         return
     pending: deque[Future] = deque()
-    chunks = [list(paths[start : start + CHUNK_IMAGES]) for start in range(0, len(paths), CHUNK_IMAGES)]
+    size = chunk_images(side)
+    chunks = [list(paths[start : start + size]) for start in range(0, len(paths), size)]
     try:
         # the first task forks every worker: a stop signal raised in the middle of a fork would be lost (Python
         # ignores an exception in its fork hooks), so the stop signals wait until the workers are started (the

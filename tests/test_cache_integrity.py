@@ -344,11 +344,10 @@ def test_worker_processes_decode_what_one_thread_does_in_order_unreadable_files_
     assert np.array_equal(by_pool.pixels, by_thread.pixels) and len(by_pool.images) == 20
 
 
-def test_a_decoding_task_holds_at_most_256_images_and_16_mib():
-    """An image counted as side x 2 side x 3 bytes: at 64 px, 682 fit in 16 MiB, so 256; at the CIFAR-10 recipes'
-    115 px, 16 MiB / 79,350 bytes = 211; at the paper's views' 654 px, 16 MiB / 2,566,296 bytes = 6; an image
-    larger than 16 MiB: one."""
-    assert cache_module.chunk_images(64) == 256
-    assert cache_module.chunk_images(115) == 211
-    assert cache_module.chunk_images(654) == (16 << 20) // (6 * 654 * 654) == 6
-    assert cache_module.chunk_images(4000) == 1
+def test_a_decoding_task_holds_at_most_256_images_and_about_16_mib():
+    """By the mean decoded image: CIFAR-10's 32 px (3,072 bytes): 256 a task; Imagenette's 160 px (76,800 bytes):
+    16 MiB / 76,800 = 218; an ImageNet image kept at 500 x 375 (562,500 bytes): 29; one larger than 16 MiB: one."""
+    assert cache_module.chunk_images(3 * 32 * 32) == 256
+    assert cache_module.chunk_images(3 * 160 * 160) == 218
+    assert cache_module.chunk_images(3 * 500 * 375) == 29
+    assert cache_module.chunk_images(3 * 4000 * 3000) == 1

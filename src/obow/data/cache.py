@@ -388,14 +388,15 @@ PROCESS_MIN_IMAGES = 4096
 #: The most images a worker process decodes per task: many enough that a task's round trip is a small part of its
 #: time (a 32 px image decodes in about 0.2 ms)...
 CHUNK_IMAGES = 256
-#: ... and the most bytes of decoded pixels per task (counting an image as twice its side squared, for its longer
-#: side): with two tasks per worker ahead of the writer, 16 workers hold at most 512 MiB ahead.
+#: ... and about the most bytes of decoded pixels per task, by the folder's mean image: with two tasks per worker
+#: ahead of the writer, 16 workers hold about 512 MiB ahead.
 CHUNK_BYTES = 16 << 20
 
 
-def chunk_images(side: int) -> int:
-    """Images per decoding task at a cached side of ``side`` px (:data:`CHUNK_IMAGES`, :data:`CHUNK_BYTES`)."""
-    return max(1, min(CHUNK_IMAGES, CHUNK_BYTES // (6 * side * side)))
+def chunk_images(image_bytes: int) -> int:
+    """Images per decoding task for images of ``image_bytes`` decoded bytes on average (:data:`CHUNK_IMAGES`,
+    :data:`CHUNK_BYTES`)."""
+    return max(1, min(CHUNK_IMAGES, CHUNK_BYTES // max(1, image_bytes)))
 
 
 def _decode_chunk(paths: Sequence[str], side: int, exact: bool) -> list[tuple[np.ndarray | None, str]]:
@@ -423,10 +424,11 @@ def decoding_pool(workers: int) -> ProcessPoolExecutor | None:
 
 
 def decoded_in_order(
-    paths: Sequence[str], side: int, exact: bool, workers: int
+    paths: Sequence[str], side: int, exact: bool, workers: int, image_bytes: int | None = None
 ) -> Generator[tuple[np.ndarray | None, str], None, None]:
     """:func:`_decode` of every path, in order: by ``workers`` processes (:func:`decoding_pool`) for a folder of
-    :data:`PROCESS_MIN_IMAGES` or more, in chunks (:func:`chunk_images`), at most two chunks per worker ahead of
+    :data:`PROCESS_MIN_IMAGES` or more, in chunks (:func:`chunk_images` of ``image_bytes``, the images' mean decoded
+    size; unknown: an image of ``side`` x 2 ``side``), at most two chunks per worker ahead of
     the caller (not the whole folder decoded into memory while the file is written); else one by one here. A
     thread pool was measured slower than one thread (Python holds its lock through most of a small image's
     decoding): CIFAR-10's 50,000 images took 20.3 s with 8 threads and 8.1-8.6 s with one, on 2 cores. The chunks not
@@ -437,7 +439,7 @@ def decoded_in_order(
             yield _decode(path, side, exact)
         return
     pending: deque[Future] = deque()
-    size = chunk_images(side)
+    size = chunk_images(image_bytes if image_bytes is not None else 6 * side * side)
     chunks = [list(paths[start : start + size]) for start in range(0, len(paths), size)]
     try:
         # the first task forks every worker: a stop signal raised in the middle of a fork would be lost (Python
@@ -683,7 +685,11 @@ def _write_cache(images: ImageList, side: int, exact: bool, folder: Path, key: s
         with (
             stopped_by_signals(),
             open(partial, "wb") as out,
-            contextlib.closing(decoded_in_order(images.paths, side, exact, min(16, os.cpu_count() or 1))) as decoded,
+            contextlib.closing(
+                decoded_in_order(
+                    images.paths, side, exact, min(16, os.cpu_count() or 1), expected // max(1, len(images))
+                )
+            ) as decoded,
         ):
             for i, (pixels, why) in enumerate(decoded):
                 if pixels is None:

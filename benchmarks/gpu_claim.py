@@ -331,6 +331,12 @@ def run_table_call(call: Call, data: Data, recipe: str, step: str, epochs: int, 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    runs = Path(args.runs)
+    planned = args.like is None and args.epochs > 0 and "auto" not in (args.recipe, args.step)
+    if args.resume and not (planned or args.like):
+        raise SystemExit("--resume continues an earlier call's rows: give their --recipe, --step and --epochs")
+    if runs.exists() and any(runs.iterdir()) and not args.resume:
+        raise SystemExit(f"{runs} holds an earlier call's files: give another --runs, or --resume to continue them")
     call = Call(args)
 
     def received(signum: int, frame: Any) -> None:
@@ -338,12 +344,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, received)
-    runs = Path(args.runs)
-    planned = args.like is None and args.epochs > 0 and "auto" not in (args.recipe, args.step)
-    if args.resume and not (planned or args.like):
-        raise SystemExit("--resume continues an earlier call's rows: give their --recipe, --step and --epochs")
-    if runs.exists() and any(runs.iterdir()) and not args.resume:
-        raise SystemExit(f"{runs} holds an earlier call's files: give another --runs, or --resume to continue them")
     runs.mkdir(parents=True, exist_ok=True)
     call.claim["machine"] = machine = machine_description()
     call.say(f"machine: {machine}; deadline {args.deadline} s, seed {args.seed}; imports {call.import_s:.1f} s")

@@ -333,7 +333,7 @@ def epochs_logged(log: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_planned_call_runs_no_probe_and_the_next_call_resumes_its_stopped_rows(tmp_path, write_images):
+def test_a_planned_call_runs_no_probe_and_the_next_call_resumes_its_stopped_rows(claim, tmp_path, write_images):
     """Recipe, step and epochs given: no probe. The call stopped (SIGTERM, as its deadline does) after the rows'
     first epochs leaves checkpoints; the same command again is refused unless told ``--resume``, and with it the
     rows continue from their checkpoints to the 12 epochs, each epoch logged once, and the table is evaluated."""
@@ -358,10 +358,14 @@ def test_a_planned_call_runs_no_probe_and_the_next_call_resumes_its_stopped_rows
     done_first = {log.name: epochs_logged(log) for log in logs}
     assert all(0 < len(epochs) < 12 for epochs in done_first.values()), done_first
 
-    refused = subprocess.run(
-        claim_command(tmp_path, tmp_path / "out2"), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    again = claim.build_parser().parse_args(claim_command(tmp_path, tmp_path / "out2")[2:])
+    with pytest.raises(SystemExit, match="--resume to continue them"):
+        claim.cmd_run(again)  # the same command without --resume: refused before anything runs
+    alone = claim.build_parser().parse_args(
+        [*claim_command(tmp_path, tmp_path / "out2", "--resume")[2:], "--step", "auto"]
     )
-    assert refused.returncode != 0 and "--resume to continue them" in refused.stderr, refused.stderr
+    with pytest.raises(SystemExit, match="give their --recipe, --step and --epochs"):
+        claim.cmd_run(alone)  # --resume with a probe to run: nothing to resume with
 
     second_out = tmp_path / "out3"
     second = subprocess.run(

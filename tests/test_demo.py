@@ -236,6 +236,28 @@ def test_obow_demo_passes_the_recipe_it_is_given(monkeypatch):
     assert main(["demo"]) == 0 and seen["recipe"] is None  # the demo's choice for this CPU
 
 
+def test_a_demo_that_has_begun_goes_on_with_the_choice_it_began_with(tmp_path):
+    """A probe times the machine as it is now: run again on a busy machine it may pick another precision, and the
+    run would be refused as one of other settings. So a demo folder whose run has a checkpoint keeps the choice
+    written when it began, unless the user names a recipe or a precision; no checkpoint, no file, a damaged file or
+    another dataset's: a new choice."""
+    choice = {"dataset": "digits", "recipe": "demo", "added": ["train.precision=bf16"]}
+    assert demo_module.earlier_choice(tmp_path, "digits", [], None) is None  # nothing begun
+    (tmp_path / demo_module.CHOICE_FILE).write_text(json.dumps(choice))
+    assert demo_module.earlier_choice(tmp_path, "digits", [], None) is None  # no checkpoint: nothing to go on from
+    (tmp_path / "pretrain").mkdir()
+    (tmp_path / "pretrain" / "checkpoint.pt").write_bytes(b"")
+    recipe, line, added = demo_module.earlier_choice(tmp_path, "digits", ["train.seed=1"], None)
+    assert (recipe, added) == ("demo", ["train.precision=bf16"])
+    assert line.startswith(f"Demo: going on with the demo in {tmp_path}: recipe 'demo' with train.precision=bf16")
+    assert "(no new probe)" in line and "\n" not in line
+    assert demo_module.earlier_choice(tmp_path, "digits", [], "demo_fp32") is None  # the user's recipe
+    assert demo_module.earlier_choice(tmp_path, "digits", ["train.precision=fp32"], None) is None  # their precision
+    assert demo_module.earlier_choice(tmp_path, "cifar10", [], None) is None
+    (tmp_path / demo_module.CHOICE_FILE).write_text("{not json")
+    assert demo_module.earlier_choice(tmp_path, "digits", [], None) is None
+
+
 @pytest.mark.slow
 def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
     overrides = [
@@ -273,9 +295,15 @@ def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
     closing = out.strip().splitlines()[-1]
     assert str(tmp_path / "demo_results.json") in closing and f"obow show run {tmp_path}" in closing
     assert re.search(r"pretraining \d+\.\d min, demo total", out) and saved["pretrained_earlier"] is False
-    # the same demo again: the run is finished, nothing is trained, and the demo says so (it said "0.0 min")
+    # the choice it made, kept beside the run
+    choice = json.loads((tmp_path / demo_module.CHOICE_FILE).read_text())
+    added = [f"train.precision={saved['precision']}"]
+    assert choice == {"dataset": "digits", "recipe": saved["recipe"], "added": added}
+    # the same demo again: the run is finished, nothing is trained, and the demo says so (it said "0.0 min"); it
+    # goes on with its first choice, not a new probe's (which a busy machine can change)
     again = run_demo(tmp_path, overrides)
     out = capsys.readouterr().out
+    assert out.startswith(f"Demo: going on with the demo in {tmp_path}: recipe '{saved['recipe']}'")
     assert "pretraining 0.0 min" not in out and str(tmp_path / "demo_results.json") in out.strip().splitlines()[-1]
     assert f"pretraining already done by an earlier obow demo in {saved['pretrain_seconds'] / 60:.1f} min" in out
     assert again["pretrained_earlier"] is True and again["pretrain_seconds"] == saved["pretrain_seconds"]
@@ -288,3 +316,4 @@ def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
     assert message.startswith(f"{tmp_path} holds a demo run with other settings (model.teacher_momentum: 0.9 -> 0.8)")
     assert "obow demo --out OTHER_FOLDER" in message and "optim.epochs" not in message and "\n" not in message
     assert json.loads((tmp_path / "demo_results.json").read_text())["results"] == rows  # nothing lost
+    assert json.loads((tmp_path / demo_module.CHOICE_FILE).read_text()) == choice  # a refused choice is not kept

@@ -296,6 +296,40 @@ def choose_recipe(
     return choice.recipe, choice.line(), added
 
 
+#: The demo's choice (its recipe and the settings the choice added), kept in its folder beside the run.
+CHOICE_FILE = "demo_choice.json"
+
+
+def earlier_choice(
+    out: Path, dataset: str, overrides: list[str], recipe: str | None
+) -> tuple[str, str, list[str]] | None:
+    """What :func:`choose_recipe` chose when the demo in ``out`` began (its :data:`CHOICE_FILE`), as
+    ``choose_recipe`` returns it, when that demo's run has a checkpoint to go on from and the user names neither a
+    recipe nor a precision now; else ``None`` (choose again). A probe times this machine as it is now: on a busy
+    machine it can pick another precision than it did, and the run in ``out`` would then be refused as one of other
+    settings."""
+    from obow.config import parse_override
+
+    if recipe is not None or not (out / "pretrain" / "checkpoint.pt").is_file():
+        return None
+    asked = [parse_override(item).get("train") for item in overrides]
+    if any(isinstance(train, dict) and "precision" in train for train in asked):
+        return None
+    try:
+        saved = json.loads((out / CHOICE_FILE).read_text())
+        earlier, added, kind = saved["recipe"], [str(item) for item in saved["added"]], saved["dataset"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a demo folder of an obow before this file: choose again
+    if kind != dataset or not isinstance(earlier, str):
+        return None
+    how = " ".join(added) or "its own settings"
+    line = (
+        f"Demo: going on with the demo in {out}: recipe '{earlier}' with {how}, as chosen when it began (no new "
+        "probe); `obow demo --recipe NAME` or another --out runs another"
+    )
+    return earlier, line, added
+
+
 def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: str | None = None) -> dict:
     """Write the data, pretrain with the dataset's recipe (or the one :func:`choose_recipe` picks for this CPU,
     or ``recipe``), compare with random init; return the numbers."""
@@ -320,9 +354,14 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
     check_choice("dataset", dataset, tuple(DATASETS))
     data = DATASETS[dataset]
     written = (out / "data" / dataset / ".complete").exists()
-    recipe, why, chosen = choose_recipe(data, overrides, recipe, write_data=not written)
+    kept = earlier_choice(out, dataset, overrides, recipe)
+    recipe, why, chosen = kept or choose_recipe(data, overrides, recipe, write_data=not written)
     if why:
         print(why, flush=True)
+    choice = json.dumps({"dataset": dataset, "recipe": recipe, "added": chosen}, indent=2) + "\n"
+    if not (out / "pretrain" / "checkpoint.pt").is_file():  # a new run: its choice, kept should it be stopped
+        with writing(out / CHOICE_FILE) as path:
+            path.write_text(choice)
     train_dir, val_dir = write_demo_data(dataset, out / "data")
     cfg = load_config(recipe, demo_settings(out, [*chosen, *overrides], train_dir, val_dir))
     log.info("Demo: pretraining %s on %s (recipe '%s')", cfg.model.arch, train_dir, recipe)
@@ -333,6 +372,8 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
             f"{out} holds a demo run with other settings ({err.diffs}): an earlier obow's recipe or other "
             f"key=value settings. `obow demo --out OTHER_FOLDER` starts a new demo there; removing {out} starts it here"
         ) from None
+    with writing(out / CHOICE_FILE) as path:  # the run took these settings (a refused choice never gets here)
+        path.write_text(choice)
     # a run finished by an earlier call trains nothing now: its time is the one that call wrote down
     pretrained_earlier = bool(result.get("already_finished"))
     pretrain_time = earlier_pretrain_seconds(out) if pretrained_earlier else run_seconds(out / "pretrain" / "log.jsonl")

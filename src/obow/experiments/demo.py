@@ -358,11 +358,11 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
     recipe, why, chosen = kept or choose_recipe(data, overrides, recipe, write_data=not written)
     if why:
         print(why, flush=True)
+    train_dir, val_dir = write_demo_data(dataset, out / "data")  # data that cannot be had: nothing left in out
     choice = json.dumps({"dataset": dataset, "recipe": recipe, "added": chosen}, indent=2) + "\n"
     if not (out / "pretrain" / "checkpoint.pt").is_file():  # a new run: its choice, kept should it be stopped
         with writing(out / CHOICE_FILE) as path:
             path.write_text(choice)
-    train_dir, val_dir = write_demo_data(dataset, out / "data")
     cfg = load_config(recipe, demo_settings(out, [*chosen, *overrides], train_dir, val_dir))
     log.info("Demo: pretraining %s on %s (recipe '%s')", cfg.model.arch, train_dir, recipe)
     try:

@@ -265,6 +265,14 @@ def training_device(cfg_device: str) -> torch.device:
     return torch.device("cuda" if cfg_device != "cpu" and torch.cuda.is_available() else "cpu")
 
 
+def asked_train(overrides: list[str]) -> dict:
+    """The ``train.*`` settings among the user's ``key=value`` overrides, as one dict."""
+    from obow.config import parse_override
+
+    asked = [parse_override(item).get("train", {}) for item in overrides]
+    return {k: v for item in asked if isinstance(item, dict) for k, v in item.items()}
+
+
 def choose_recipe(
     data: DemoData, overrides: list[str], recipe: str | None = None, write_data: bool = True
 ) -> tuple[str, str | None, list[str]]:
@@ -276,15 +284,14 @@ def choose_recipe(
     the run would train on with the user's ``overrides`` (``train.device``); their ``key=value`` changes apply to
     whichever recipe is chosen, and win over it (a ``train.precision`` of theirs is the only one probed).
     ``write_data``: whether the demo's images are still to be written (part of the estimate)."""
-    from obow.config import load_config, parse_override
+    from obow.config import load_config
 
     if recipe is not None:
         load_config(recipe)  # an unknown recipe: an error before the data is written
         return recipe, None, []
     if len(data.recipes) == 1:
         return data.recipes[0], None, []
-    asked = [parse_override(item).get("train", {}) for item in overrides]
-    train = {k: v for item in asked if isinstance(item, dict) for k, v in item.items()}
+    train = asked_train(overrides)
     device = training_device(train.get("device", load_config(data.recipes[0]).train.device))
     if device.type != "cpu":
         return data.recipes[0], None, []
@@ -308,12 +315,8 @@ def earlier_choice(
     recipe nor a precision now; else ``None`` (choose again). A probe times this machine as it is now: on a busy
     machine it can pick another precision than it did, and the run in ``out`` would then be refused as one of other
     settings."""
-    from obow.config import parse_override
-
-    if recipe is not None or not (out / "pretrain" / "checkpoint.pt").is_file():
-        return None
-    asked = [parse_override(item).get("train") for item in overrides]
-    if any(isinstance(train, dict) and "precision" in train for train in asked):
+    begun = (out / "pretrain" / "checkpoint.pt").is_file()
+    if recipe is not None or not begun or "precision" in asked_train(overrides):
         return None
     try:
         saved = json.loads((out / CHOICE_FILE).read_text())
@@ -372,8 +375,9 @@ def run_demo(out: Path, overrides: list[str], dataset: str = "digits", recipe: s
             f"{out} holds a demo run with other settings ({err.diffs}): an earlier obow's recipe or other "
             f"key=value settings. `obow demo --out OTHER_FOLDER` starts a new demo there; removing {out} starts it here"
         ) from None
-    with writing(out / CHOICE_FILE) as path:  # the run took these settings (a refused choice never gets here)
-        path.write_text(choice)
+    if kept is None:  # the run took a choice made now (a refused one never gets here); a kept one is on file
+        with writing(out / CHOICE_FILE) as path:
+            path.write_text(choice)
     # a run finished by an earlier call trains nothing now: its time is the one that call wrote down
     pretrained_earlier = bool(result.get("already_finished"))
     pretrain_time = earlier_pretrain_seconds(out) if pretrained_earlier else run_seconds(out / "pretrain" / "log.jsonl")

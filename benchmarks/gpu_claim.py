@@ -205,6 +205,7 @@ def estimate_for(call: Call, data: Data, recipe: str, found: Probe, decode_s: fl
     epoch ends; the decoding; the protocol's CPU work by :func:`~obow.experiments.budget.time_protocol`) and what is
     stated (``--table-start-s``, ``--monitor-pass-s``, ``--eval-start-s``, and ``--epoch-end-s`` when the probe saw
     no epoch end; docs/results/tables/cifar10-mocov2-gpu/README.md says why these values)."""
+    from obow.data.folders import decoding_workers
     from obow.training.run.threads import available_cores
 
     args = call.args
@@ -221,6 +222,8 @@ def estimate_for(call: Call, data: Data, recipe: str, found: Probe, decode_s: fl
         )
         call.claim["protocol_timing"] = call.protocols
     images = data.train_images + data.test_images
+    # decoded by one loader worker per core (decoding_workers), the two rows side by side sharing the cores
+    decode_pass_s = images * decode_s / max(1.0, decoding_workers(images, 1) / 2)
     epoch_end = found.epoch_end_s if found.epoch_end_s is not None else args.epoch_end_s
     return budget.Estimate(
         # the table command imports torch and obow as this process did, lists the images, plans and starts its rows,
@@ -228,9 +231,9 @@ def estimate_for(call: Call, data: Data, recipe: str, found: Probe, decode_s: fl
         start_s=args.table_start_s + call.import_s + data.scan_s + (found.start_s or 0.0),
         epoch_end_s=epoch_end,
         # its first pass starts the recipe's loader workers (imports, as this process's) and decodes every image
-        monitor_first_s=call.import_s + images * decode_s + args.monitor_pass_s,
+        monitor_first_s=call.import_s + decode_pass_s + args.monitor_pass_s,
         monitor_pass_s=args.monitor_pass_s,
-        eval_s=args.eval_start_s + images * decode_s + args.monitor_pass_s + call.protocols[recipe]["total_s"],
+        eval_s=args.eval_start_s + decode_pass_s + args.monitor_pass_s + call.protocols[recipe]["total_s"],
         margin_s=args.margin_s,
         curve_every=args.curve_every,
     )

@@ -404,6 +404,25 @@ def test_gpu_profile_runs_on_the_cpu(throughput, tmp_path, tiny_recipe, write_im
     assert "wall per step:" in out and "views: host" in out and "step: host" in out
 
 
+def test_gpu_profile_counts_the_device_busy_once_where_streams_overlap(throughput):
+    device_work = load_script("gpu_profile").device_work
+    # two steps; stream 7 (the step): 0-10, 20-30 ms; stream 9 (the views): 5-15 (overlaps), 40-42 (alone), and a
+    # kernel inside another (22-24)
+    ms = 1_000_000
+    spans = [(7, 0, 10 * ms), (9, 5 * ms, 15 * ms), (7, 20 * ms, 30 * ms), (9, 22 * ms, 24 * ms), (9, 40 * ms, 42 * ms)]
+    work = device_work(reversed(spans), steps=2)
+    assert work["busy_ms"] == pytest.approx((15 + 10 + 2) / 2)  # 0-15, 20-30, 40-42
+    assert work["summed_ms"] == pytest.approx((10 + 10 + 10 + 2 + 2) / 2)
+    assert work["launches"] == 2.5
+    assert work["streams"][7] == {"ms": pytest.approx(10.0), "launches": 1.0}
+    assert work["streams"][9] == {"ms": pytest.approx(7.0), "launches": 1.5}
+    assert device_work([], steps=3)["busy_ms"] == 0.0
+    top_kernels = load_script("gpu_profile").top_kernels
+    kernels = [(7, "conv", 4 * ms), (7, "bn", 1 * ms), (7, "conv", 2 * ms), (9, "blur", 3 * ms), (7, "relu", 2 * ms)]
+    expected = {7: [("conv", 3.0, 1.0), ("relu", 1.0, 0.5)], 9: [("blur", 1.5, 0.5)]}
+    assert top_kernels(kernels, steps=2, top=2) == expected
+
+
 @pytest.mark.parametrize(
     "script, expected",
     [

@@ -1,6 +1,7 @@
 """The kNN monitor keeps its evaluation images decoded: the same features and numbers as reading them every pass."""
 
 import logging
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -76,6 +77,48 @@ def test_decoded_features_equal_extracted_features_and_restore_training_mode(tmp
     assert torch.equal(features, expected)
     with pytest.raises(ValueError, match=r"uint8 views: build the dataset with eval_dataset\(..., pixels=True\)"):
         decode_set(eval_dataset(images, views), views.mean, views.std)
+
+
+def test_a_large_evaluation_set_is_decoded_by_one_worker_per_core_and_decodes_the_same(
+    tmp_path, noise_images, monkeypatch
+):
+    from obow.data import folders as folders_module
+    from obow.evaluate import features as features_module
+
+    assert folders_module.decoding_workers(4095, 1) == 1  # a small set: the workers asked for
+    assert folders_module.decoding_workers(10**6, 0) == folders_module.max_decoding_workers()
+    assert folders_module.decoding_workers(10**6, 40) == 40  # never fewer than asked
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert folders_module.max_decoding_workers() == min(16, cores)
+    monkeypatch.setattr(folders_module.sys, "platform", "darwin")  # no forked workers there
+    assert folders_module.max_decoding_workers() == 0 and folders_module.decoding_workers(10**6, 2) == 2
+    monkeypatch.undo()
+
+    folder = write_mixed_folder(tmp_path / "data", per_class=5)
+    (folder / "c0" / "2.png").write_bytes(b"not an image")
+    views = SimpleNamespace(teacher_resize=28, teacher_size=24, mean=MEAN, std=STD)
+    images = scan_images(folder, "folders")
+    backbone = small_backbone()
+
+    def run():
+        skipped = []
+        with pytest.warns(ObowWarning, match="1 unreadable images"):
+            decoded = decode_set(eval_dataset(images, views, pixels=True), MEAN, STD, batch_size=3, skipped=skipped)
+        with pytest.warns(ObowWarning, match="1 unreadable images"):
+            features, labels = extract_features(backbone, eval_dataset(images, views), batch_size=3)
+        return decoded, features, labels, skipped
+
+    one = run()  # 10 images: below the line, in this process
+    started = []
+    real_build = features_module.build_loader
+    monkeypatch.setattr(folders_module, "DECODING_WORKERS_MIN_IMAGES", 2)
+    monkeypatch.setattr(folders_module, "max_decoding_workers", lambda: 2)
+    monkeypatch.setattr(features_module, "build_loader", lambda *a, **k: started.append(a[3]) or real_build(*a, **k))
+    many = run()
+    assert started == [2, 2]  # both passes by two worker processes
+    assert torch.equal(one[0].pixels, many[0].pixels) and torch.equal(one[0].labels, many[0].labels)
+    assert torch.equal(one[1], many[1]) and torch.equal(one[2], many[2])
+    assert one[3] == many[3] == [str(folder / "c0" / "2.png")]
 
 
 def monitor_for(tmp_path, tiny_recipe):

@@ -72,7 +72,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from obow.data.folders import ImageList, load_rgb, tiny_below, unreadable_reason
+from obow.data.folders import ImageList, load_rgb, max_decoding_workers, tiny_below, unreadable_reason
 from obow.data.identity import relative
 from obow.notices import counted
 
@@ -686,9 +686,7 @@ def _write_cache(images: ImageList, side: int, exact: bool, folder: Path, key: s
             stopped_by_signals(),
             open(partial, "wb") as out,
             contextlib.closing(
-                decoded_in_order(
-                    images.paths, side, exact, min(16, os.cpu_count() or 1), expected // max(1, len(images))
-                )
+                decoded_in_order(images.paths, side, exact, max_decoding_workers(), expected // max(1, len(images)))
             ) as decoded,
         ):
             for i, (pixels, why) in enumerate(decoded):

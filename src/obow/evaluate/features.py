@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from obow.data.folders import EpochSampler, ImageDataset, build_loader
+from obow.data.folders import EpochSampler, ImageDataset, build_loader, decoding_workers
 from obow.data.transforms import normalize_pixels
 from obow.notices import ObowWarning
 
@@ -34,9 +34,11 @@ def frozen(backbone: torch.nn.Module, device: torch.device) -> Iterator[None]:
 
 
 def _loader(dataset: ImageDataset, batch_size: int, num_workers: int, pin_memory: bool) -> DataLoader:
-    """Every image of ``dataset`` once, in order."""
+    """Every image of ``dataset`` once, in order, by at least ``num_workers`` loader workers (one per core for a large
+    set: :func:`~obow.data.folders.decoding_workers`)."""
     sampler = EpochSampler(len(dataset), batch_size, shuffle=False, drop_last=False)
-    return build_loader(dataset, sampler, batch_size, num_workers, pin_memory=pin_memory)
+    workers = decoding_workers(len(dataset), num_workers)
+    return build_loader(dataset, sampler, batch_size, workers, pin_memory=pin_memory)
 
 
 def _report_skipped(dataset: ImageDataset, missed: list[str], skipped: list[str] | None) -> None:

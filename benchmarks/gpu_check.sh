@@ -7,7 +7,9 @@
 # seconds the whole pass may take; each part gets a cap and what is left, so the script ends on its own. SKIP:
 # names of parts to leave out ("install" too). Every part's output goes to $OUT/all.log and one line per part
 # (exit status, seconds) to $OUT/summary.txt; the step-time tables also go to $OUT/step_time.txt. Relative
-# paths are read from the repository's root. Parts, in order of value:
+# paths are read from the repository's root. RECIPE: the recipe that the pretraining parts train (default
+# cifar10_fast; the CPU dry run in tests/test_benchmarks.py gives a tiny one); RUNS: where they write (default
+# /tmp/gpu_check_runs, emptied first). Parts, in order of value:
 #   1. the device and the install (pip install -e . without dependencies, else PYTHONPATH=src);
 #   2. benchmarks/step_time.py on the GPU: fp32 / bf16 and channels_last in alternating rounds for the CPU
 #      recipe, the paper's ResNet-18 analysis recipe and its ResNet-50 recipe (64 images a GPU);
@@ -45,15 +47,16 @@ part step_time_cifar10_fast 45 bash -c "$ST --config cifar10_fast | tee -a $OUT/
 part step_time_r18 60 bash -c "$ST --config imagenet20_resnet18_full | tee -a $OUT/step_time.txt"
 part step_time_r50 75 bash -c "$ST --config imagenet_resnet50_full --batch 64 | tee -a $OUT/step_time.txt"
 
-RUN=/tmp/gpu_check_runs
+RUN=${RUNS:-/tmp/gpu_check_runs}
+RECIPE=${RECIPE:-cifar10_fast}
 rm -rf "$RUN"
 TINY="optim.epochs=2 optim.warmup_epochs=1 data.num_workers=4 data.batch_size=64 train.device=$DEVICE train.precision=auto train.channels_last=true"
-part pretrain 90 bash -c "obow pretrain --config cifar10_fast --data $DATA/train --out $RUN/plain $TINY \
+part pretrain 90 bash -c "obow pretrain --config $RECIPE --data $DATA/train --out $RUN/plain $TINY \
     && obow eval knn --checkpoint $RUN/plain/checkpoint.pt --data $DATA --device $DEVICE"
-part torchrun_nccl 60 python3 -m torch.distributed.run --standalone --nproc_per_node 1 -m obow.cli pretrain --config cifar10_fast --data "$DATA/train" --out "$RUN/ddp" $TINY train.sync_batchnorm=true
+part torchrun_nccl 60 python3 -m torch.distributed.run --standalone --nproc_per_node 1 -m obow.cli pretrain --config "$RECIPE" --data "$DATA/train" --out "$RUN/ddp" $TINY train.sync_batchnorm=true
 # one process (-o addopts: the GPU machines may lack pytest-xdist, and the tests would share one GPU)
 part pytest 200 python3 -m pytest -q -rf -p no:cacheprovider --maxfail 20 -o addopts="-ra"
-part pretrain_compile 120 obow pretrain --config cifar10_fast --data "$DATA/train" --out "$RUN/compiled" $TINY train.compile=true
+part pretrain_compile 120 obow pretrain --config "$RECIPE" --data "$DATA/train" --out "$RUN/compiled" $TINY train.compile=true
 part demo 240 obow demo --out "$RUN/demo"
 
 echo "total $(($(date +%s) - T0))s" | tee -a "$OUT/summary.txt"

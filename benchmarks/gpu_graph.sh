@@ -28,8 +28,12 @@
 #   in20, r50: imagenet20_resnet18_full and imagenet_resnet50_full at their recipes' batch (r50 at 128), if time remains;
 #   views_render, views_noblur, views_workers: the device views on Imagenette at 160 px (render alone, without the
 #          blur) against the loader workers on this machine's cores (benchmarks/render.py, loader_throughput.py);
-#   render_in20, profile_in20: imagenet20_resnet18_full's render eager, dense and graphed at its batch (160 px), and
-#          a profile of 5 graphed steps end to end (benchmarks/gpu_profile.py): where the end-to-end rate goes.
+#   render_in20, profile_in20: imagenet20_resnet18_full's render eager, dense, with hue slots (since 2026-11-30) and
+#          graphed at its batch (160 px), and
+#          a profile of 5 graphed steps end to end (benchmarks/gpu_profile.py): where the end-to-end rate goes (each
+#          stream's kernel time and longest kernels since 2026-11-30);
+#   render_in20_compiled: its render with hue slots, compiled by Inductor and graphed (RENDER_BACKEND=aot_eager: a
+#          dry run's quick trace).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_graph_out}
@@ -91,8 +95,15 @@ part views_workers $((60 * CAPX)) python3 benchmarks/loader_throughput.py --conf
 # 2,080): the render eager, dense (what a graph replays) and graphed at the recipe's batch, then a profile of a few
 # graphed steps end to end (benchmarks/gpu_profile.py: device busy fraction, launches, the views' and the step's parts).
 # shellcheck disable=SC2086
-part render_in20 $((60 * CAPX)) python3 benchmarks/render.py --config imagenet20_resnet18_full --device "$DEVICE" --modes eager dense graphed $RX data.cache_size=160
+part render_in20 $((60 * CAPX)) python3 benchmarks/render.py --config imagenet20_resnet18_full --device "$DEVICE" --modes eager dense slots graphed $RX data.cache_size=160
 # shellcheck disable=SC2086
 part profile_in20 $((70 * CAPX)) python3 benchmarks/gpu_profile.py --config imagenet20_resnet18_full --data "$INETTE/train" --device "$DEVICE" --cache-dir "$CACHE" $PX data.images_per_class=null train.compile=graph $FAST
+# 2026-11-30 (H200): the graphed render of in20 made 4,123 images/s against the eager 5,082, about as much device
+# work a batch as the graphed step (3,638 images/s alone): end to end is the two one after the other. The dense render
+# (what the graph replayed) ran every operation on every view, the hue rotation (about 30 kernels) in all 4 rounds;
+# since then the graph rotates only each round's hue slots. Inductor fuses the elementwise chains: the compiled
+# render against the slotted dense one and the graphed one, its compilation timed apart.
+# shellcheck disable=SC2086
+part render_in20_compiled $((150 * CAPX)) python3 benchmarks/render.py --config imagenet20_resnet18_full --device "$DEVICE" --modes slots compiled graphed $RX data.cache_size=160 ${RENDER_BACKEND:+--compile-backend $RENDER_BACKEND}
 grep -h -A8 "alternating" "$OUT/all.log" | grep "^|\|alternating" > "$OUT/throughput.md"
 echo "total $(($(date +%s) - T0))s" | tee -a "$OUT/summary.txt"

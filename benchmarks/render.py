@@ -6,7 +6,10 @@ the random parameters drawn on the host each time as a run draws them, three way
 
 * ``eager``: the render a run uses by default: each photometric operation on the views that draw it, picked on
   the host (fewer operations, a few hundred kernels);
-* ``dense``: eager, every view through every operation, kept where drawn (what a compiled render traces);
+* ``dense``: eager, every view through every operation, kept where drawn (what a compiled render traced before
+  2026-11-30: the hue rotation of every view in every round);
+* ``slots``: ``dense`` with the hue rotated only in each round's slots
+  (:meth:`obow.data.batched_views.BatchedViews.with_hue_slots`, what the compiled and graphed renders run now);
 * ``compiled``: ``dense`` compiled by Inductor into one graph (:func:`obow.data.batched_views.compiled_render`,
   what ``train.compile: step`` uses on a GPU); its first call, the compilation, is timed apart;
 * ``graphed``: the dense render captured once as a CUDA graph and replayed
@@ -48,7 +51,7 @@ from obow.data.device_loader import made_ahead
 from obow.graphs import CudaStepGraph, TapeGraph
 from obow.methods import build_batched_views, views_side
 
-MODES = ("eager", "dense", "compiled", "graphed", "baseline")
+MODES = ("eager", "dense", "slots", "compiled", "graphed", "baseline")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -99,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     renders = {
         "eager": views.render,
         "dense": lambda im, p: views.render(im, p.to(device), dense=True),
+        "slots": lambda im, p: views.render(im, (views.with_hue_slots(p) or p).to(device), dense=True),
     }
     if "baseline" in args.modes:
         if not args.baseline:

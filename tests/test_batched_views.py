@@ -22,6 +22,8 @@ from obow.data.batched_views import (
     compiled_render,
     draw_patch_cells,
     gaussian_blur,
+    hue_capacity,
+    hue_slots,
     jitter_ranges,
     random_resized_boxes,
     resized_crops,
@@ -704,6 +706,71 @@ def test_the_dense_colour_jitter_is_the_picked_one_bit_for_bit():
     one_less = apply.clone()
     one_less[int(torch.nonzero(apply)[0])] = False
     assert not torch.equal(color_jitter_dense(x, factors, order, one_less), picked)
+
+
+def test_hue_slots_hold_each_rounds_rotating_views_and_the_dense_jitter_with_them_is_the_picked_one():
+    """:func:`hue_slots`: round ``r``'s slots are the views whose ``r``-th operation is a hue shift other than 0 (of
+    those that jitter), in order, then a view that does not rotate in that round, not valid; too few slots: none.
+    :func:`color_jitter_dense` rotating only the slots' views is :func:`color_jitter` bit for bit, and a slot left
+    out is seen."""
+    g = torch.Generator().manual_seed(2)
+    n = 64
+    x = torch.randint(0, 256, (n, 3, 6, 5), generator=g).float()
+    factors, order, apply = jitter_draws(n, g)
+    factors[5, 3] = 0.0  # a hue shift of 0: no rotation, so in no slot
+    counts = []
+    for r in range(4):
+        expected = [i for i in range(n) if apply[i] and order[i, r] == 3 and factors[i, 3] != 0]
+        counts.append(len(expected))
+    capacity = max(counts) + 3
+    slots = hue_slots(factors, order, apply, capacity)
+    for r in range(4):
+        expected = [i for i in range(n) if apply[i] and order[i, r] == 3 and factors[i, 3] != 0]
+        k = len(expected)
+        assert slots.rows[r, :k].tolist() == expected and slots.valid[r, :k].all() and not slots.valid[r, k:].any()
+        assert torch.equal(slots.shift[r, :k], factors[expected, 3])
+        spare = slots.rows[r, k:].tolist()  # unused slots name one view that does not rotate in this round
+        assert len(set(spare)) == 1 and spare[0] not in expected
+    assert 5 not in slots.rows[slots.valid].tolist()
+    assert hue_slots(factors, order, apply, max(counts) - 1) is None  # one round has more: the batch renders eagerly
+
+    picked = color_jitter(x, factors, order, apply)
+    assert torch.equal(color_jitter_dense(x, factors, order, apply, slots), picked)
+    assert torch.equal(
+        color_jitter_dense(x, factors, order, apply, hue_slots(factors, order, apply, max(counts))), picked
+    )
+    slots.valid[int(torch.argmax(torch.tensor(counts))), 0] = False  # a rotating view left out
+    assert not torch.equal(color_jitter_dense(x, factors, order, apply, slots), picked)
+
+
+def test_hue_capacity_is_the_binomial_mean_plus_six_deviations():
+    cfg = views_cfg()  # colour jitter with probability 0.8, a hue strength of 0.1
+    assert cfg.color_jitter_prob == 0.8 and cfg.color_jitter[3] > 0
+    assert hue_capacity(256, cfg) == 90  # 256 x 0.2 = 51.2, deviation 6.4: 51.2 + 38.4 = 89.6
+    assert hue_capacity(16, cfg) == 13  # 3.2 + 6 x 1.6 = 12.8
+    assert hue_capacity(2, cfg) == 2  # never more than the views
+    assert hue_capacity(256, views_cfg(color_jitter=(0.4, 0.4, 0.4, 0.0))) == 0  # no hue: no slot
+
+
+def test_a_dense_render_with_hue_slots_makes_the_eager_views_and_too_many_rotations_render_eagerly(monkeypatch):
+    """:meth:`BatchedViews.with_hue_slots` on real photos (scikit-learn's, 96 px): the dense render with the slots
+    makes the eager render's views bit for bit; when a round has more rotating views than slots, no slots (the
+    callers then render eagerly: tests/test_graphed.py)."""
+    from obow.data import batched_views
+
+    views = BatchedViews(views_cfg(), side=96)
+    images = torch.stack(
+        [torch.from_numpy(photo(name)[:96, 100:196]).permute(2, 0, 1) for name in ("china.jpg", "flower.jpg")] * 4
+    )
+    params = views.draw(8, torch.Generator().manual_seed(5))
+    slotted = views.with_hue_slots(params)
+    assert slotted.crops.hue is not None and slotted.grid.hue is not None
+    assert slotted.crops.hue.rows.shape == (4, hue_capacity(8 * views.cfg.num_crops, views.cfg))
+    usual, dense = views.render(images, params), views.render(images, slotted, dense=True)
+    for key in usual:
+        assert torch.equal(dense[key], usual[key]), key
+    monkeypatch.setattr(batched_views, "hue_capacity", lambda n, cfg: 0)
+    assert views.with_hue_slots(params) is None
 
 
 @pytest.mark.parametrize("mocov2", [False, True], ids=["obow", "mocov2"])

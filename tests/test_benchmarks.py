@@ -135,11 +135,13 @@ def test_quality_minutes_budget_plans_whole_epochs_and_the_tables_warmup(
 GPU_CHECK_PARTS = re.findall(r"^part (\w+)", (BENCHMARKS / "gpu_check.sh").read_text(), flags=re.M)[1:]
 
 
-def gpu_check(tmp_path: Path, write_images, skip: list[str], deadline: int) -> list[str]:
-    """``benchmarks/gpu_check.sh`` on the CPU (``DEVICE=cpu``, no install): its summary's lines."""
+def gpu_check(tmp_path: Path, write_images, skip: list[str], deadline: int, recipe: Path | None = None) -> list[str]:
+    """``benchmarks/gpu_check.sh`` on the CPU (``DEVICE=cpu``, no install; ``recipe`` for its pretraining parts):
+    its summary's lines."""
     write_images(tmp_path / "data" / "train", per_class=40, size=32)  # 80 images: one step of the script's 64
     write_images(tmp_path / "data" / "test", per_class=4, size=32, seed=1)
     env = dict(os.environ, OUT=str(tmp_path / "out"), DATA=str(tmp_path / "data"), DEVICE="cpu")
+    env.update(RUNS=str(tmp_path / "runs"), **({"RECIPE": str(recipe)} if recipe else {}))
     env.update(DEADLINE=str(deadline), SKIP=" ".join(["install", *skip]), OMP_NUM_THREADS="1")
     subprocess.run(["bash", str(BENCHMARKS / "gpu_check.sh")], env=env, check=True, capture_output=True)
     return (tmp_path / "out" / "summary.txt").read_text().splitlines()
@@ -159,9 +161,12 @@ def test_gpu_check_runs_its_parts_in_order_skips_what_it_is_told_and_keeps_its_d
 
 
 @pytest.mark.slow  # real pretraining and a torchrun launch on the CPU
-def test_gpu_check_dry_run_on_the_cpu_pretrains_evaluates_and_launches_torchrun(tmp_path, write_images):
-    parts = ["pretrain", "torchrun_nccl"]
-    lines = gpu_check(tmp_path, write_images, skip=[p for p in GPU_CHECK_PARTS if p not in parts], deadline=300)
+def test_gpu_check_dry_run_on_the_cpu_pretrains_evaluates_and_launches_torchrun(tmp_path, write_images, tiny_recipe):
+    parts = ["pretrain", "torchrun_nccl"]  # on the tiny recipe (cifar10_fast's network took most of 95 s here)
+    recipe = tmp_path / "tiny64.yaml"  # the script trains at batch 64: a queue of 64 words
+    recipe.write_text(tiny_recipe.read_text().replace("num_words: 16", "num_words: 64", 1))
+    skip = [p for p in GPU_CHECK_PARTS if p not in parts]
+    lines = gpu_check(tmp_path, write_images, skip=skip, deadline=300, recipe=recipe)
     ran = {line.split()[0]: line.split()[1] for line in lines if " rc=" in line}
     assert ran["pretrain"] == "rc=0" and ran["torchrun_nccl"] == "rc=0", (tmp_path / "out" / "all.log").read_text()
     log = (tmp_path / "out" / "all.log").read_text()
@@ -331,14 +336,14 @@ def test_render_times_the_eager_dense_compiled_and_graphed_renders_in_the_same_r
     out = tmp_path / "render.json"
     result = render.main(["--config", "cifar10_fast", "--device", "cpu", "--warmup", "1", "--steps", "1", "--rounds",
                           "2", "--compile-backend", "aot_eager", "--json", str(out), "data.batch_size=4",
-                          "--modes", "eager", "dense", "compiled", "graphed"])  # fmt: skip
+                          "--modes", "eager", "dense", "slots", "compiled", "graphed"])  # fmt: skip
     assert json.loads(out.read_text()) == result
-    assert set(result["images_per_s"]) == {"eager", "dense", "compiled", "graphed"} and result["compile_s"] > 0
+    assert set(result["images_per_s"]) == {"eager", "dense", "slots", "compiled", "graphed"} and result["compile_s"] > 0
     assert result["capture_s"] > 0  # the tape stands in for the CUDA graph on a CPU
     assert all(len(r) == 2 and min(r) > 0 for r in result["rounds"].values())
     assert result["batch"] == 4 and result["side"] == 46
     # aot_eager and the graph replay the same operators on the same draws
-    assert result["max_abs_diff"] == {"eager": 0.0, "dense": 0.0, "compiled": 0.0, "graphed": 0.0}
+    assert result["max_abs_diff"] == {"eager": 0.0, "dense": 0.0, "slots": 0.0, "compiled": 0.0, "graphed": 0.0}
     assert result["ahead_equal"] is None  # no streams on a CPU
     printed = capsys.readouterr().out
     assert "compilation (first compiled call)" in printed and "capture (first graphed call)" in printed
@@ -441,6 +446,9 @@ def test_gpu_profile_counts_the_device_busy_once_where_streams_overlap(throughpu
                 "views_render",
                 "views_noblur",
                 "views_workers",
+                "render_in20",
+                "profile_in20",
+                "render_in20_compiled",
             },
         ),  # fmt: skip
     ],

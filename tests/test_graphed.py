@@ -287,6 +287,43 @@ def test_the_graphed_render_makes_the_eager_views(caplog):
     assert render.kind == "graphed" and not caplog.records
 
 
+def test_a_batch_with_more_hue_rotations_than_slots_is_rendered_eagerly_by_the_graphed_render(monkeypatch):
+    """The graphed render rotates the hue in a fixed number of slots a round (made on the host); a batch with more
+    rotating views than slots is rendered eagerly (no capture or replay for it), before and after the capture."""
+    from obow.data import batched_views
+    from obow.data.batched_views import graphed_render
+    from obow.methods import build_batched_views
+
+    made = []  # [captures, replays] of each graph
+
+    class Counted(TapeGraph):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append([0, 0])
+
+        def capture(self, fn):
+            made[-1][0] += 1
+            return super().capture(fn)
+
+        def replay(self) -> None:
+            made[-1][1] += 1
+            super().replay()
+
+    views = build_batched_views(load_config("cifar10_resnet18", []), 32)
+    render = graphed_render(views, CPU, Counted)
+    real_capacity = batched_views.hue_capacity
+    g = torch.Generator().manual_seed(1)
+    expected_counts = {0: [], 1: [[1, 0]], 2: [[1, 0]], 3: [[1, 1]]}
+    for i, too_few in enumerate((True, False, True, False)):  # too few slots first: nothing is captured for it
+        monkeypatch.setattr(batched_views, "hue_capacity", (lambda n, cfg: 0) if too_few else real_capacity)
+        images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=g)
+        params = views.draw(8, g)
+        got, expected = render(images, params), views.render(images, params)
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), (too_few, key)
+        assert made == expected_counts[i], (i, made)
+
+
 # ------------------------------------------------------------------------------------------------ whole runs
 
 

@@ -57,7 +57,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import time
 import zlib
 from collections import Counter, deque
@@ -72,7 +71,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-from obow.data.folders import ImageList, load_rgb, max_decoding_workers, tiny_below, unreadable_reason
+from obow.data.folders import (
+    ImageList,
+    forks_workers,
+    load_rgb,
+    max_decoding_workers,
+    tiny_below,
+    unreadable_reason,
+)
 from obow.data.identity import relative
 from obow.notices import counted
 
@@ -416,9 +422,10 @@ def decoding_pool(workers: int) -> ProcessPoolExecutor | None:
     """``workers`` decoding processes forked from this one (as PyTorch's DataLoader starts its workers on Linux):
     they run Pillow and NumPy only, and a fork imports nothing again and never runs the caller's ``__main__``
     (a spawned worker would: a script without a ``__main__`` guard would start over in each). ``None`` where the
-    platform is not Linux (the images are then decoded in the calling thread)."""
-    if not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
-        return None  # macOS can fork, but its system libraries are not safe in a forked child
+    platform does not fork them (:func:`obow.data.folders.forks_workers`; the images are then decoded in the calling
+    thread)."""
+    if not forks_workers():
+        return None
     context = multiprocessing.get_context("fork")
     return ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_stop_signals)
 

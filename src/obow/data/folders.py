@@ -56,11 +56,17 @@ DECODING_WORKERS_MIN_IMAGES = 4096
 TINY_UPSCALE = 4
 
 
+def forks_workers() -> bool:
+    """Whether this platform's decoding workers are forked from the calling process: Linux only (a spawned worker
+    imports everything again and runs a script's ``__main__`` without a guard; macOS can fork, but its system
+    libraries are not safe in a forked child)."""
+    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+
+
 def max_decoding_workers() -> int:
     """One decoding process per core this process may run on, at most :data:`MAX_DECODING_WORKERS`; 0 where worker
-    processes are not forked (only Linux forks them: a spawned worker imports everything again, and macOS's system
-    libraries are not safe in a forked child)."""
-    if not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
+    processes are not forked (:func:`forks_workers`)."""
+    if not forks_workers():
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return min(MAX_DECODING_WORKERS, cores)

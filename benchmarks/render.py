@@ -20,12 +20,13 @@ the random parameters drawn on the host each time as a run draws them, three way
   resampling and float colour maths: the cost of Pillow's filter and rounding, in the same alternating rounds.
 
 Alternating rounds of ``--steps`` renders after ``--warmup``; prints the median source images/s of each and writes
-``--json``. The images are random pixels of the recipe's cache size (the render's work does not depend on them).
-Checked on the way, on the same parameters: the largest difference of the dense and compiled views from the eager
-ones (``max_abs_diff``; 0 for ``dense``, float32 rounding for Inductor's fused kernels), and whether the views made
-one batch ahead on a side stream (:func:`obow.data.device_loader.made_ahead`, what a GPU run does) are the eager
-ones bit for bit (``ahead_equal``; ``null`` on a CPU, which has no streams). For ``baseline`` the difference is how
-far today's views moved from that commit's (same draws).
+``--json`` (the compilation's and capture's times and each round's rates are printed the moment they exist, so a run
+stopped by a time limit keeps them). The images are random pixels of the recipe's cache size (the render's work does
+not depend on them). Checked on the way, on the same parameters: the largest difference of the dense and compiled
+views from the eager ones (``max_abs_diff``; 0 for ``dense``, float32 rounding for Inductor's fused kernels), and
+whether the views made one batch ahead on a side stream (:func:`obow.data.device_loader.made_ahead`, what a GPU run
+does) are the eager ones bit for bit (``ahead_equal``; ``null`` on a CPU, which has no streams). For ``baseline``
+the difference is how far today's views moved from that commit's (same draws).
 
     python benchmarks/render.py --config cifar10_fast --device cpu --rounds 3
     python benchmarks/render.py --config cifar10_resnet18 --device cuda data.batch_size=512
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         compiled(images, views.draw(batch, generator))
         synchronize(device)
         compile_s = time.perf_counter() - start
+        print(f"render: compiled in {compile_s:.1f} s", flush=True)  # each figure out as it exists: a part cut later
         renders["compiled"] = compiled
     capture_s = None
     if "graphed" in args.modes:
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         graphed(images, views.draw(batch, generator))
         synchronize(device)
         capture_s = time.perf_counter() - start
+        print(f"render: captured in {capture_s:.2f} s", flush=True)
         renders["graphed"] = graphed
     state = generator.get_state()
     reference = views.render(images, views.draw(batch, generator))
@@ -148,13 +151,14 @@ def main(argv: list[str] | None = None) -> dict:
             renders[mode](images, drawers[mode].draw(batch, generator))
     synchronize(device)
     rounds: dict[str, list[float]] = {mode: [] for mode in args.modes}
-    for _ in range(args.rounds):
+    for i in range(args.rounds):
         for mode in args.modes:
             start = time.perf_counter()
             for _ in range(args.steps):
                 renders[mode](images, drawers[mode].draw(batch, generator))
             synchronize(device)
             rounds[mode].append(batch * args.steps / (time.perf_counter() - start))
+        print(f"render: round {i + 1}: " + ", ".join(f"{m} {r[-1]:.0f}" for m, r in rounds.items()), flush=True)
     result = {
         "config": args.config,
         "overrides": args.overrides,

@@ -347,6 +347,8 @@ def test_render_times_the_eager_dense_compiled_and_graphed_renders_in_the_same_r
     assert result["ahead_equal"] is None  # no streams on a CPU
     printed = capsys.readouterr().out
     assert "compilation (first compiled call)" in printed and "capture (first graphed call)" in printed
+    assert "render: compiled in" in printed and "render: captured in" in printed  # as they exist
+    assert printed.count("render: round ") == 2 and "render: round 1: eager " in printed
 
 
 def test_render_times_the_render_of_a_git_commit_beside_todays(capsys):

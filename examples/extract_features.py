@@ -12,13 +12,12 @@ import argparse
 from pathlib import Path
 
 import torch
-import torchvision
 from sklearn.linear_model import LogisticRegression
 from sklearn.preprocessing import StandardScaler
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from obow import load_backbone
+from obow import ImageFolder, load_backbone
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--backbone", required=True, help="a file written by obow export (with its .json sidecar)")
@@ -40,13 +39,15 @@ transform = transforms.Compose(
 
 @torch.no_grad()
 def features(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    dataset = torchvision.datasets.ImageFolder(folder, transform=transform)
+    dataset = ImageFolder(folder, transform=transform, labels="folders")  # read as obow eval reads it
     batches = [(backbone(x).pool5, y) for x, y in DataLoader(dataset, batch_size=256)]
     return torch.cat([f for f, _ in batches]), torch.cat([y for _, y in batches])
 
 
 root = Path(args.data)
 test_folder = root / "test" if (root / "test").is_dir() else root / "val"
+if not (root / "train").is_dir() or not test_folder.is_dir():
+    raise SystemExit(f"{root} needs train/ and test/ (or val/) folders of class sub-folders, e.g. {root}/train/cat/")
 x_train, y_train = features(root / "train")
 x_test, y_test = features(test_folder)
 print(f"{info['arch']} features: {tuple(x_train.shape)} for training, {tuple(x_test.shape)} for testing")

@@ -2,21 +2,21 @@
 
     python examples/pretrain_loop.py --data DIR --out backbone.pt
 
-DIR is any folder of class sub-folders (torchvision's ImageFolder; the labels are not used). The model and the
-views follow a built-in recipe (``--config``, default ``cifar10_fast``: CIFAR-10-sized images); ``obow pretrain``
-does the same with checkpoints, resuming, logs and several GPUs.
+DIR is any folder of images, with class sub-folders or without (``obow.ImageFolder`` reads it as ``obow pretrain``
+does; the labels are not used). The model and the views follow a built-in recipe (``--config``, default
+``cifar10_fast``: CIFAR-10-sized images); ``obow pretrain`` does the same with checkpoints, resuming, logs and
+several GPUs.
 """
 
 import argparse
 
 import torch
-import torchvision
 from torch.utils.data import DataLoader
 
-from obow import OBoW, OBoWViews, load_config
+from obow import ImageFolder, OBoW, OBoWViews, load_config
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--data", required=True, help="a folder of class sub-folders of images")
+parser.add_argument("--data", required=True, help="a folder of images (class sub-folders or not)")
 parser.add_argument("--config", default="cifar10_fast", help="a built-in recipe name or a YAML file")
 parser.add_argument("--epochs", type=int, default=None, help="default: the recipe's")
 parser.add_argument("--batch-size", type=int, default=None, help="default: the recipe's")
@@ -32,7 +32,7 @@ batch_size = args.batch_size or cfg.data.batch_size
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # Each image becomes {"teacher": [3, T, T], "crops": [2, 3, c, c], "patches": [5, 3, p, p]}.
-dataset = torchvision.datasets.ImageFolder(args.data, transform=OBoWViews(cfg.views))
+dataset = ImageFolder(args.data, transform=OBoWViews(cfg.views))
 loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=args.workers)
 if len(loader) == 0:
     raise SystemExit(f"{args.data} holds fewer images ({len(dataset)}) than one batch ({batch_size})")

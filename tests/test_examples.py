@@ -4,6 +4,7 @@
 ``extract_features.py`` reads an ``obow export`` file and fits a scikit-learn classifier on its features."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,29 @@ def test_extract_features_reads_an_export_and_fits_a_classifier(tiny_run, obow_c
     assert lines[0] == "timm:resnet18 features: (24, 16) for training, (6, 16) for testing"
     assert lines[1].startswith("logistic regression on the pretrained features: ")
     assert lines[1].endswith("% top-1 on 6 test images")
+
+
+@pytest.mark.slow
+def test_extract_features_reads_a_folder_as_obow_eval_does_and_says_what_it_needs(tiny_run, obow_cli, tmp_path):
+    """A macOS ``._`` file and a note among the images are left out (torchvision's ImageFolder stopped the script
+    at the first); a folder without train/ is one line."""
+    export = tmp_path / "backbone.pth"
+    obow_cli("export", "--checkpoint", tiny_run.out / "checkpoint.pt", "--out", export)
+    data = tmp_path / "copied"
+    shutil.copytree(tiny_run.data, data)
+    first = sorted((data / "train").iterdir())[0]
+    (first / "._000.png").write_bytes(b"\x00\x05\x16\x07" + bytes(100))
+    (first / "notes.txt").write_text("not an image")
+    result = run_example("extract_features.py", "--backbone", export, "--data", data, cwd=tmp_path)
+    assert result.stdout.splitlines()[0] == "timm:resnet18 features: (24, 16) for training, (6, 16) for testing"
+    assert "1 file left out: not images of a listed kind (.txt 1)" in result.stderr
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    script = [sys.executable, str(EXAMPLES / "extract_features.py"), "--backbone", str(export)]
+    flat = subprocess.run([*script, "--data", str(first)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert flat.returncode == 1 and flat.stdout == ""
+    needs = "needs train/ and test/ (or val/) folders of class sub-folders"
+    assert flat.stderr == f"{first} {needs}, e.g. {first}/train/cat/\n"
 
 
 def test_the_examples_use_only_public_names():

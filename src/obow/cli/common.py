@@ -23,7 +23,7 @@ ARCHITECTURES = (
 )  # obow.backbones.ARCHITECTURES
 STEMS = ("torchvision", "no_maxpool", "cifar")  # obow.backbones.STEMS
 NETWORKS = ("student", "teacher")  # obow.weights.load.NETWORKS
-FORMATS = ("torchvision", "timm", "detectron2")  # obow.weights.export.FORMATS
+FORMATS = ("torchvision", "timm", "detectron2", "onnx")  # obow.weights.export.FORMATS
 
 
 def positive_int(text: str) -> int:

@@ -2,6 +2,7 @@
 
 obow export --checkpoint runs/x/checkpoint.pt --out backbone.pth [--format FORMAT]   # FORMATS: cli.common
 obow export --checkpoint runs/x/checkpoint.pt --out backbone.safetensors   # the same weights as safetensors
+obow export --checkpoint runs/x/checkpoint.pt --out backbone.onnx   # the network as an ONNX graph (obow[onnx])
 obow import-official FILE --out CKPT             # the authors' released weights as an obow checkpoint
 """
 
@@ -21,17 +22,23 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         help=f"write a pretrained backbone for {', '.join(FORMATS[:-1])} or {FORMATS[-1]}",
         description="Write the backbone of a pretraining checkpoint, plus FILE.json describing it. The name of "
         "FILE picks the container: FILE.safetensors is written as safetensors (the metadata of FILE.json in its "
-        "header too), any other name with torch.save; --format detectron2 writes a pickle (FILE.pkl).",
+        "header too), FILE.onnx as an ONNX graph of the whole network, stem included (input images, outputs pool5 "
+        'and conv5; needs pip install "obow[onnx]", and is checked with onnxruntime where it is installed), any '
+        "other name with torch.save; --format detectron2 writes a pickle (FILE.pkl).",
     )
     p.add_argument("--checkpoint", required=True, help="a pretraining checkpoint, or the run folder of obow pretrain")
     p.add_argument(
         "--out",
         required=True,
         metavar="FILE",
-        help="output file: FILE.safetensors for safetensors (torchvision and timm formats), else torch.save",
+        help="output file: FILE.safetensors for safetensors (torchvision and timm formats), FILE.onnx for ONNX, "
+        "else torch.save",
     )
     p.add_argument(
-        "--format", choices=FORMATS, default=None, help="default: timm for timm: backbones, else torchvision"
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="default: onnx for FILE.onnx, timm for timm: backbones, else torchvision",
     )
     p.add_argument("--network", choices=NETWORKS, default="student", help="default student")
     p.set_defaults(func=run_export)
@@ -68,6 +75,8 @@ def run_export(args: argparse.Namespace) -> int:
         f"wrote {args.out} ({meta['format']}, {meta['container']}: {meta['arch']}, {meta['stem']} stem, "
         f"{meta['network']}{'' if meta['epoch'] is None else ', epoch ' + str(meta['epoch'])}) and {args.out}.json"
     )
+    if "checked" in meta:
+        print(f"checked: {meta['checked']}")
     return 0
 
 

@@ -215,6 +215,8 @@ def other_kind_of_file(path: Path) -> str | None:
         head = f.read(4096)
     if head.startswith(b"PK") or head.startswith(b"\x80"):
         return None
+    if path.suffix.lower() == ".onnx" and head.startswith(b"\x08"):  # a protobuf ModelProto: ir_version first
+        return "an ONNX graph (for ONNX Runtime and the like; obow reads checkpoints and .pth or .safetensors exports)"
     try:
         with Image.open(path) as image:
             return f"a {image.format} image"

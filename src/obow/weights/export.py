@@ -50,8 +50,10 @@ from obow.notices import ObowWarning
 from obow.version import __version__
 from obow.weights.checkpoint import save_atomic
 from obow.weights.load import SAFETENSORS_META_KEY, SAFETENSORS_SUFFIX, load_backbone
+from obow.weights.onnx import ONNX_SUFFIX, check_can_write_onnx, write_onnx
+from obow.weights.onnx import usage_lines as onnx_usage_lines
 
-FORMATS = ("torchvision", "timm", "detectron2")
+FORMATS = ("torchvision", "timm", "detectron2", "onnx")
 FC_SEED = 0
 FC_NOTE = f"untrained, torchvision init, seed {FC_SEED}"
 STEM_NOTES = {
@@ -102,6 +104,15 @@ def export_backbone(
         check_choice("format", fmt, FORMATS)
     out_path = Path(out_path)
     safetensors_path = out_path.suffix == SAFETENSORS_SUFFIX
+    onnx_path = out_path.suffix.lower() == ONNX_SUFFIX
+    if onnx_path or fmt == "onnx":
+        if fmt not in (None, "onnx"):
+            raise ValueError(
+                f"--out {out_path.name} names an ONNX file: leave out --format {fmt}, or give another name"
+            )
+        if not onnx_path:
+            raise ValueError(f"--format onnx writes an ONNX file: give --out {out_path.with_suffix(ONNX_SUFFIX).name}")
+        return _export_onnx(checkpoint_path, out_path, network)
     if fmt == "detectron2" and safetensors_path:
         raise ValueError(
             "--format detectron2 writes the pickle Detectron2's checkpointer reads (it does not read safetensors): "
@@ -166,6 +177,33 @@ def export_backbone(
         save_safetensors(state, out_path, meta)
     else:
         save_atomic(state, out_path)
+    with writing(f"{out_path}.json") as sidecar:
+        sidecar.write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _export_onnx(checkpoint_path: str | Path, out_path: Path, network: str) -> dict[str, Any]:
+    """``obow export --out FILE.onnx``: the backbone as an ONNX graph (:mod:`obow.weights.onnx`) and its sidecar."""
+    check_can_write_onnx()  # before the checkpoint is read
+    backbone, info = load_backbone(checkpoint_path, network=network)
+    views = info["views"]
+    side = views["teacher_size"] if views else 224
+    meta = {
+        "format": "onnx",
+        "arch": backbone.arch,
+        "stem": backbone.stem,
+        "network": network,
+        "source_checkpoint": str(checkpoint_path),
+        "epoch": info["epoch"],
+        "iteration": info["iteration"],
+        "obow_version": __version__,
+        "views": views,
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "container": "onnx",
+    }
+    with writing(out_path):
+        meta.update(write_onnx(backbone, out_path, side))
+    meta["usage"] = onnx_usage_lines(out_path, views)
     with writing(f"{out_path}.json") as sidecar:
         sidecar.write_text(json.dumps(meta, indent=2) + "\n")
     return meta

@@ -696,3 +696,18 @@ def test_busy_machine_reads_its_settings_and_a_runs_last_epoch(tmp_path):
         {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
     )
     assert [busy_machine.parse_setting(s)[0] for s in busy_machine.DEFAULT_SETTINGS] == ["obow", "fixed-2", "passive"]
+
+
+@pytest.mark.slow
+def test_photo_decoding_times_whole_and_reduced_jpegs_in_the_same_rounds(tmp_path, capsys):
+    """Two 480x360 sample photos, the tiny-sized rounds: both ways timed each round, the reduced images' views of the
+    recipe's shapes, the JSON as printed."""
+    result = load_script("photo_decoding").main(
+        ["--config", "imagenette_fast", "--size", "480", "360", "--photos", "2", "--images", "2", "--rounds", "2",
+         "--json", str(tmp_path / "p.json")]
+    )  # fmt: skip
+    assert json.loads((tmp_path / "p.json").read_text()) == result
+    assert result["sharp_side"] == 233 and set(result["rounds"]) == {"whole", "reduced"}
+    assert all(len(r) == 2 and min(r) > 0 for r in result["rounds"].values())
+    assert result["views_shapes"]["teacher"] == [3, 80, 80]
+    assert "images/s a worker" in capsys.readouterr().out.splitlines()[-1]

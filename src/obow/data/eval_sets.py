@@ -55,9 +55,12 @@ def eval_dataset(
         images = root
     else:
         images = scan_labelled(root) if labels == "folders" else scan_images(root, labels=labels)
+    # a JPEG twice the view's resize or more decoded at a reduced scale, still at least that resize (load_rgb)
+    draft = views.teacher_resize
     if pixels:
-        return ImageDataset(images, eval_pixels_transform(views.teacher_resize, views.teacher_size))
-    return ImageDataset(images, eval_transform(views.teacher_resize, views.teacher_size, views.mean, views.std))
+        return ImageDataset(images, eval_pixels_transform(views.teacher_resize, views.teacher_size), draft_side=draft)
+    transform = eval_transform(views.teacher_resize, views.teacher_size, views.mean, views.std)
+    return ImageDataset(images, transform, draft_side=draft)
 
 
 def scan_labelled(root: str | Path) -> ImageList:

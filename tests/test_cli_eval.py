@@ -250,8 +250,20 @@ def test_folder_without_class_folders_is_refused(setup, tmp_path, noise_images):
 def test_missing_splits_are_named(setup, tmp_path):
     data, ckpt = setup
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="has no train/ folder"):
+    with pytest.raises(ValueError, match="has no train/ folder") as raised:
         run("eval", "knn", "--checkpoint", ckpt, "--data", tmp_path / "empty", *FAST)
+    assert "looks like one of them" not in str(raised.value)
+
+
+def test_a_split_given_as_data_names_the_folder_to_give(setup):
+    """``--data my_images/train``, the folder the README's pretrain command takes: the error names its parent."""
+    data, ckpt = setup
+    for split in ("train", "val"):
+        with pytest.raises(ValueError) as raised:
+            run("eval", "knn", "--checkpoint", ckpt, "--data", data / split, *FAST)
+        assert str(raised.value).endswith(
+            f"({data / split} looks like one of them: give the folder that holds both, --data {data})"
+        )
 
 
 def test_more_ways_or_shots_than_the_data_hold(setup):

@@ -53,6 +53,8 @@ if TYPE_CHECKING:
 
 PROTOCOLS = ("knn", "linear", "fewshot", "finetune", "svm")
 EXTRACT_BATCH = 256
+#: The split folders under --data; one of them given as --data is named in the error, with the folder to give.
+SPLITS = ("train", "val", "test")
 # Spelled out so that building the parser imports no PyTorch; tests/test_rough_edges.py checks each.
 LINEAR_PRESET_NAMES = ("resnet18", "resnet50")  # obow.evaluate.linear.LINEAR_PRESETS
 #: Fine-tuning presets by labelled fraction (paper section 4.3; obow.evaluate.finetune.FINETUNE_PRESETS).
@@ -560,6 +562,7 @@ class _Run:
         if not path.is_dir():
             raise ValueError(
                 f"{self.data} has no train/ folder; expected {self.data}/train/<class>/ and {self.data}/val/<class>/"
+                + self._split_given()
             )
         return path
 
@@ -569,7 +572,15 @@ class _Run:
                 return self.data / name
         raise ValueError(
             f"{self.data} has no val/ or test/ folder; expected {self.data}/train/<class>/ and {self.data}/val/<class>/"
+            + self._split_given()
         )
+
+    def _split_given(self) -> str:
+        """When ``--data`` is itself one of the splits (``my_images/train``) beside the other: which folder to give."""
+        parent = self.data.resolve().parent
+        if self.data.resolve().name in SPLITS and sum((parent / name).is_dir() for name in SPLITS) >= 2:
+            return f" ({self.data} looks like one of them: give the folder that holds both, --data {self.data.parent})"
+        return ""
 
     def splits(self) -> tuple[ImageList, ImageList]:
         from obow.data.eval_sets import align_classes, scan_labelled

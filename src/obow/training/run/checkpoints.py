@@ -16,6 +16,7 @@ from torch import nn
 
 from obow import distributed as D
 from obow.config import Config, to_dict
+from obow.notices import counted
 from obow.training.run.data_check import adopt_image_list
 from obow.training.run.logger import log_main
 from obow.training.run.random_states import get_rng_state, seed_run, set_rng_state
@@ -156,7 +157,6 @@ def start_or_resume(
         return state
     model.prepare(images, cfg, device)
     seed_run(cfg.train.seed + D.rank())  # runtime randomness (queue sampling) differs per process
-    log_main(
-        "New run in %s (no checkpoint there): %d images, %d iterations per epoch", out, len(images), iters_per_epoch
-    )
+    per_epoch = counted(iters_per_epoch, "iteration")
+    log_main("New run in %s (no checkpoint there): %d images, %s per epoch", out, len(images), per_epoch)
     return RunState()

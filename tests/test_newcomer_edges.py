@@ -519,3 +519,22 @@ def test_the_tables_linear_probe_is_capped_at_a_stable_rate_and_a_diverged_one_i
     scores = evaluate_features(train_x, train_y, test_x, test_y, k=20, episodes=5)
     assert "linear" not in scores
     assert f"linear not measured: the probe diverged at lr {cap:.3g}" in scores["notes"]
+
+
+def test_a_command_piped_into_head_ends_quietly():
+    """``obow recipes | head -1``: the reader closes the pipe (here before anything is written, as a reader that has
+    its line does); obow ends as a process killed by SIGPIPE would (status 141), without the "obow: error: [Errno
+    32] Broken pipe" it printed before."""
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", "import sys; from obow.cli import main; sys.exit(main())", "recipes"]
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # the pipe's only reader gone (Python's start-up takes far longer than this line)
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=60) == 141, err
+    assert err == ""

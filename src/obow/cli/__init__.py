@@ -60,11 +60,35 @@ def main(argv: list[str] | None = None) -> int:
         line = out_of_memory_line(err) or one_line(err)
         tqdm.write(f"obow: error: {line}", file=sys.stderr)  # on its own line, a bar still open or not
         return 2
+    except BrokenPipeError as err:
+        if stdout_closed():  # `obow recipes | head`: the reader has what it wanted; nothing to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the flush at exit would raise again)
+            return 141  # what a process killed by SIGPIPE reports
+        tqdm.write(f"obow: error: {os_error_line(err)}", file=sys.stderr)
+        return 2
     except OSError as err:  # a file operation that no command wraps with its own message
         tqdm.write(f"obow: error: {os_error_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def stdout_closed() -> bool:
+    """Whether the reader of this process's standard output has gone (a pipe into ``head`` that has its lines)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return True
+    except (OSError, ValueError):  # a closed or odd stream: not a pipe's reader gone
+        return False
+    try:
+        import select
+
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLERR)
+        return any(event & select.POLLERR for _, event in poller.poll(0))  # a pipe whose reader closed
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), no file descriptor
+        return False
 
 
 def one_line(err: BaseException) -> str:

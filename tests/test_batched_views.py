@@ -804,13 +804,16 @@ def test_the_dense_render_and_its_compiled_graph_make_the_same_views(mocov2):
 @pytest.mark.slow
 def test_the_render_compiled_by_inductor_makes_the_same_views_to_rounding():
     """Inductor's fused kernels (what a GPU run with ``train.compile: step`` renders with) against the eager render:
-    normalised views within 1e-5 (float32 rounding of a few dozen operations on values of order 1), but for the
-    8-bit ties: the render rounds to a level after each of Pillow's steps, and a fused kernel that rounds a sum
-    in another order sends a tie the other way now and then. With this CPU's AVX-512 kernels none did; with
-    Inductor's AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``) 16 of 75,264 crop values and 43 of 69,360 patch values
-    moved by 1 to 4 levels (a tie in the hue byte moves a pixel's colour by a few levels). So: at most 0.2 % of a
-    kind's values off, by at most 5 levels, where a wrong operation (a dropped hue rotation, below) moves views by
-    more than 1e-2 nearly everywhere."""
+    the same views but for the 8-bit ties. The render rounds to a level after each of Pillow's steps, and a fused
+    kernel that computes a quotient in another order sends an exact tie (frequent in the hue byte, a ratio of small
+    integers) the other way now and then: the pixel's colour moves by a few levels. So in every view without blur a
+    value is the eager one, or off by a whole number of levels; a blurred view spreads such a step over its
+    neighbours. Measured on 16 images: with this CPU's AVX-512 kernels (torch 2.14) nothing moved; with Inductor's
+    AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``) 16 of 75,264 crop values and 43 of 69,360 patch values, by 1 to 4
+    levels; with torch 2.11's Inductor (the GPU machines' version) 0.32 % of the crop values and 0.37 % of the
+    patch values by half a level or more, at most 6 levels, and every value of an unblurred view within 1.1e-5 of
+    a whole number of levels off. Allowed: 1 % of a kind's values off by half a level or more, none by more than 8
+    levels; dropping the colour jitter (a wrong operation) moves 68 % of them, by 21 levels on average."""
     import torch._dynamo
 
     views = BatchedViews(views_cfg(), side=32)
@@ -819,15 +822,19 @@ def test_the_render_compiled_by_inductor_makes_the_same_views_to_rounding():
     torch._dynamo.reset()
     traced = compiled_render(views, torch.device("cpu"))(images, params)
     usual = views.render(images, params)
-    level = 1 / 255 / min(views.cfg.std)  # one level of 255, normalised (the widest)
-    for key in usual:
-        off = (traced[key] - usual[key]).abs()
+    levels = 255 * torch.tensor(views.cfg.std).view(3, 1, 1)  # a normalised difference times this: in levels
+    torch.testing.assert_close(traced["teacher"], usual["teacher"], rtol=0, atol=1e-5)
+    for key, group in (("crops", params.crops), ("patches", params.grid)):  # the patches: cut from the grid view
+        off = (traced[key] - usual[key]) * levels
         assert torch.isfinite(traced[key]).all(), key
-        assert (off > 1e-5).float().mean() <= 0.002, (key, (off > 1e-5).sum())
-        assert off.max() <= 5 * level, (key, off.max() / level)
+        blurred = group.photo.blur.view(off.shape[0], -1).expand(off.shape[0], off.shape[1])
+        sharp = off[~blurred]
+        assert sharp.numel() > 0 and (sharp - sharp.round()).abs().max() < 1e-3, key  # ties: whole levels
+        moved = off.abs() >= 0.5
+        assert moved.float().mean() <= 0.01 and off.abs().max() <= 8, (key, moved.sum(), off.abs().max())
     params.crops.photo.jitter[:] = False  # the colour jitter dropped: far outside what the ties above allow
-    dropped = (views.render(images, params)["crops"] - usual["crops"]).abs()
-    assert (dropped > 1e-5).float().mean() > 0.2 and dropped.max() > 5 * level
+    dropped = (views.render(images, params)["crops"] - usual["crops"]) * levels
+    assert (dropped.abs() >= 0.5).float().mean() > 0.3 and dropped.abs().mean() > 5
 
 
 def per_view_stats(crops: torch.Tensor, cfg) -> dict[str, np.ndarray]:

@@ -44,7 +44,7 @@ def test_obow_warnings_are_one_log_line_and_library_warnings_are_hidden(tiny_run
     assert not raw_format(result.err), result.err
     warned = [line for line in result.err.splitlines() if line.startswith("WARNING ")]
     assert any("has no backbone.pth.json sidecar: recognised from its weights" in line for line in warned), warned
-    assert any("1 unreadable images under" in line and "zz_broken.png" in line for line in warned), warned
+    assert any("1 unreadable image under" in line and "zz_broken.png" in line for line in warned), warned
     assert "TypedStorage" not in result.err and "UserWarning" not in result.err
 
 

@@ -612,13 +612,10 @@ class _Run:
         )
 
     def multilabel_features(self, images: MultiLabelSet) -> tuple[np.ndarray, np.ndarray]:
-        """Features and targets of a multi-label split; an unreadable image (replaced by its neighbour during
-        extraction) is dropped with its targets, and counted."""
-        import torch
-
+        """Features and targets of a multi-label split (its images' labels are their indices); an unreadable image
+        is left out with its targets (:func:`obow.evaluate.features.extract_features`), and counted."""
         features, used = self.features(images.image_list())
-        kept = used == torch.arange(len(images))
-        return features[kept].numpy(), images.targets[kept.numpy()]
+        return features.numpy(), images.targets[used.numpy()]
 
     def print_table(self, headers: list[str], rows: list[list[Any]]) -> None:
         source = self.info

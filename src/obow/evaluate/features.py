@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from obow.data.folders import EpochSampler, ImageDataset, build_loader, decoding_workers
 from obow.data.transforms import normalize_pixels
-from obow.notices import ObowWarning
+from obow.notices import ObowWarning, counted
 
 
 @contextlib.contextmanager
@@ -41,14 +41,22 @@ def _loader(dataset: ImageDataset, batch_size: int, num_workers: int, pin_memory
     return build_loader(dataset, sampler, batch_size, workers, pin_memory=pin_memory)
 
 
+def readable(batch: dict, first: int) -> Tensor:
+    """Which rows of ``batch`` (the images ``first``, ``first + 1``, ... of a set read in order) are the images asked
+    for: a row whose image could not be read holds the next readable image instead
+    (:class:`~obow.data.folders.ImageDataset`), which has a row of its own; an evaluation leaves such rows out, so
+    that no image counts twice."""
+    used = batch["index"]
+    return used == torch.arange(first, first + len(used))
+
+
 def _report_skipped(dataset: ImageDataset, missed: list[str], skipped: list[str] | None) -> None:
-    """One warning for the unreadable images met (each replaced by the next readable one)."""
+    """One warning for the unreadable images met (each left out)."""
     if not missed:
         return
     unique = sorted(set(missed))
     warnings.warn(
-        f"{len(unique)} unreadable images under {dataset.images.root} were skipped (replaced by the next "
-        f"readable image), e.g. {unique[0]}",
+        f"{counted(len(unique), 'unreadable image')} under {dataset.images.root} left out, e.g. {unique[0]}",
         ObowWarning,
         stacklevel=3,
     )
@@ -71,18 +79,22 @@ def extract_features(
 
     The backbone runs frozen in eval mode (BN running statistics, official notes 5.1); its training mode is
     restored afterwards. ``flip=True`` extracts the horizontally flipped images instead (the second view of
-    the paper's linear protocol). Unreadable images are replaced by the next readable one (see
-    :class:`~obow.data.folders.ImageDataset`), reported in a warning, and appended to ``skipped`` when given.
+    the paper's linear protocol). Unreadable images are left out (:func:`readable`: the rows that would repeat the
+    next readable image), reported in a warning, and appended to ``skipped`` when given: ``N`` counts the readable
+    images.
     """
     device = torch.device(device)
     features, labels, missed = [], [], []
+    seen = 0
     with frozen(backbone, device):
         for batch in _loader(dataset, batch_size, num_workers, pin_memory=device.type == "cuda"):
-            images = batch["image"].to(device, non_blocking=True)
+            kept = readable(batch, seen)
+            seen += len(kept)
+            images = batch["image"][kept].to(device, non_blocking=True)
             if flip:
                 images = images.flip(-1)
             features.append(backbone(images).pool5.float().cpu())
-            labels.append(batch["label"])
+            labels.append(batch["label"][kept])
             missed.extend(batch["skipped"])
     _report_skipped(dataset, missed, skipped)
     return torch.cat(features), torch.cat(labels).long()
@@ -116,11 +128,14 @@ def decode_set(
     """Every image of ``dataset`` (built with ``eval_dataset(..., pixels=True)``: ``uint8`` views) decoded once, in
     order, to be normalised by ``mean`` / ``std`` when used. Unreadable images as in :func:`extract_features`."""
     pixels, labels, missed = [], [], []
+    seen = 0
     for batch in _loader(dataset, batch_size, num_workers, pin_memory=False):
         if batch["image"].dtype != torch.uint8:
             raise ValueError("decode_set needs uint8 views: build the dataset with eval_dataset(..., pixels=True)")
-        pixels.append(batch["image"])
-        labels.append(batch["label"])
+        kept = readable(batch, seen)
+        seen += len(kept)
+        pixels.append(batch["image"][kept])
+        labels.append(batch["label"][kept])
         missed.extend(batch["skipped"])
     _report_skipped(dataset, missed, skipped)
     kept = torch.cat(pixels)

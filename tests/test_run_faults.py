@@ -155,6 +155,21 @@ def test_views_far_above_the_images_size_are_warned_about_once(tmp_path, tiny_re
         assert check_view_sizes(big, paths) == pytest.approx(200 / 32)
     assert caplog.text.count("the views are far above the images' size") == 1
     assert "views.teacher_size=200, views.crop_size=160 against a shorter side of 32 px" in caplog.text
+    assert "far above the recipe's size" not in caplog.text
+
+
+def test_images_far_above_the_recipes_size_are_warned_about_once(tmp_path, tiny_recipe, write_images, caplog):
+    """The tiny recipe's views are made from 28 px images: 224 px images (8x) are far above them, 200 px (7.1x) not."""
+    cfg = load_config(tiny_recipe)
+    for size in (200, 224):
+        write_images(tmp_path / str(size), per_class=3, size=size)
+    with caplog.at_level(logging.WARNING, logger="obow"):
+        assert check_view_sizes(cfg, sorted(str(p) for p in (tmp_path / "200").rglob("*.png"))) == 24 / 200
+        assert caplog.text == ""
+        assert check_view_sizes(cfg, sorted(str(p) for p in (tmp_path / "224").rglob("*.png"))) == 24 / 224
+    assert caplog.text.count("far above the recipe's size") == 1
+    assert "a shorter side of 224 px (the median of 6 images) against views made from 28 px images" in caplog.text
+    assert "1/8 of each side" in caplog.text and "far above the images' size" not in caplog.text
 
 
 # ------------------------------------------------------------------------------------------------ 8: divergence

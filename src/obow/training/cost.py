@@ -243,13 +243,18 @@ def out_of_memory(err: BaseException, cfg: Config | None) -> RunError | None:
 
 #: How many images :func:`check_view_sizes` opens (their headers only), spread over the folder.
 SIZE_SAMPLE = 32
+#: Images whose median shorter side is at least this many times the side the views are made from (the teacher's
+#: resize) are far above the recipe's size: ``cifar10_fast`` (40 px) on phone photos, 3024 px, is 76x; the paper's
+#: recipes on ImageNet (256 px, images of about 400-500 px) are under 2x, ``imagenette_fast`` on Imagenette 1.8x.
+SHRUNK_FACTOR = 8
 
 
 def check_view_sizes(cfg: Config, paths: list[str]) -> float | None:
     """Warn once when the views are far above the images' size: more than
     :data:`~obow.data.folders.TINY_UPSCALE` times the median shorter side of a sample of the images (500 px views
-    of 32 px images: 44 to 59 s a step and 9 GB, computing on pixels the images do not have). Returns how many
-    times larger the views are (``None``: no image could be read)."""
+    of 32 px images: 44 to 59 s a step and 9 GB, computing on pixels the images do not have); and when the images
+    are far above the views' (:data:`SHRUNK_FACTOR`: a CIFAR recipe on phone photos). Returns how many times
+    larger the views are (``None``: no image could be read)."""
     import statistics
 
     from PIL import Image
@@ -266,6 +271,17 @@ def check_view_sizes(cfg: Config, paths: list[str]) -> float | None:
     largest = max(v.teacher_size, v.crop_size if v.num_crops else 0)
     median = statistics.median(sides)
     ratio = largest / max(median, 1)
+    shrunk = median / max(v.teacher_resize, 1)
+    if shrunk >= SHRUNK_FACTOR and D.is_main_process():
+        log.warning(
+            "the images are far above the recipe's size: a shorter side of %g px (the median of %d images) against "
+            "views made from %d px images (views.teacher_resize), 1/%.0f of each side: what is finer than that is "
+            "lost to the network; a recipe made for larger images keeps more of it (`obow recipes`, docs/recipes.md)",
+            median,
+            len(sides),
+            v.teacher_resize,
+            shrunk,
+        )
     if ratio > TINY_UPSCALE and D.is_main_process():
         log.warning(
             "the views are far above the images' size: views.teacher_size=%d, views.crop_size=%d against a "

@@ -137,3 +137,17 @@ def test_bad_input_is_one_line_and_writes_nothing(image_folder, tiny_recipe, tmp
         "images; write elsewhere"
     )
     assert not out.exists() and not inside.exists()
+    picture = tmp_path / "views.JPG"  # a folder of that name, before
+    line = one_error_line(obow_cli(*base[:-3], "--out", picture, "--data", image_folder, check=False))
+    assert line == (
+        f"obow: error: --out {picture} names a picture, but obow show views writes a folder (overview.png and a PNG "
+        f"per view): give a folder, e.g. --out {tmp_path / 'views'}"
+    )
+    assert not picture.exists()
+
+
+def test_show_words_refuses_a_picture_as_its_folder(tiny_run, obow_cli, tmp_path):
+    out = tmp_path / "words.png"
+    result = obow_cli("show", "words", "--checkpoint", tiny_run.out, "--data", tiny_run.data, "--out", out, check=False)
+    assert result.code == 2 and not out.exists()
+    assert f"--out {out} names a picture, but obow show words writes a folder" in result.err

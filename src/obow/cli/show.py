@@ -79,11 +79,26 @@ def _run_options(p: argparse.ArgumentParser, batch_size: int) -> None:
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="data loaders (min(4, CPUs))")
 
 
+#: Names of pictures, which a command that writes a folder (``show words``, ``show views``) refuses as ``--out``.
+PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg", ".pdf", ".svg", ".webp", ".gif", ".tif", ".tiff", ".bmp", ".html")
+
+
+def check_out_folder(out: str, command: str, writes: str) -> None:
+    """``--out`` of a command that writes a folder: one line when it names a picture (``views.jpg``), which
+    would otherwise become a folder of that name."""
+    suffix = os.path.splitext(os.path.normpath(out))[1]
+    if suffix.lower() in PICTURE_SUFFIXES:
+        folder = os.path.splitext(os.path.normpath(out))[0]
+        raise ValueError(f"--out {out} names a picture, but obow show {command} writes a folder ({writes}): "
+                         f"give a folder, e.g. --out {folder}")  # fmt: skip
+
+
 def run_words(args: argparse.Namespace) -> int:
     from obow.files import check_writable
     from obow.show.words import show_words
     from obow.weights.locate import checkpoint_path
 
+    check_out_folder(args.out, "words", "words.png, index.html and patches/")
     check_writable(os.path.join(args.out, "words.png"))  # before the work
 
     result = show_words(
@@ -155,6 +170,7 @@ def run_views(args: argparse.Namespace) -> int:
         overrides.append(f"data.pipeline={args.pipeline}")
     with notices_held():  # the recipe's warnings wait until the images are found
         cfg = load_config(args.config, overrides)
+        check_out_folder(args.out, "views", "overview.png and a PNG per view")
         check_writable(os.path.join(args.out, "overview.png"))  # before the work
         result = show_views(cfg, args.out, images=args.images)
     for i, path in enumerate(result["paths"]):

@@ -81,12 +81,22 @@ def test_the_usage_lines_give_obows_features_with_onnxruntime_alone(tmp_path, ma
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
 
 
+@pytest.fixture(scope="module")
+def teacher_export(tmp_path_factory):
+    """A ResNet-18 checkpoint (CIFAR stem) and its teacher exported as ONNX, for the tests that only read them."""
+    from conftest import write_checkpoint
+
+    folder = tmp_path_factory.mktemp("teacher_export")
+    checkpoint = write_checkpoint(folder / "run.ckpt", arch="resnet18", stem="cifar", size=32)
+    export_quietly(checkpoint, folder / "b.onnx", network="teacher")
+    return checkpoint, folder / "b.onnx"
+
+
 @pytest.mark.slow
-def test_the_graph_takes_any_batch_and_size_and_gives_conv5_too(tmp_path, make_checkpoint):
-    checkpoint = make_checkpoint(tmp_path / "run.ckpt", arch="resnet18", stem="cifar", size=32)
-    export_quietly(checkpoint, tmp_path / "b.onnx", network="teacher")
+def test_the_graph_takes_any_batch_and_size_and_gives_conv5_too(teacher_export):
+    checkpoint, path = teacher_export
     backbone, _ = load_backbone(checkpoint, network="teacher")
-    session = onnxruntime.InferenceSession(str(tmp_path / "b.onnx"))
+    session = onnxruntime.InferenceSession(str(path))
     assert [i.name for i in session.get_inputs()] == ["images"]
     assert [o.name for o in session.get_outputs()] == ["pool5", "conv5"]
     for shape in [(1, 3, 32, 32), (5, 3, 40, 24)]:
@@ -99,17 +109,16 @@ def test_the_graph_takes_any_batch_and_size_and_gives_conv5_too(tmp_path, make_c
 
 
 @pytest.mark.slow
-def test_the_check_refuses_a_graph_that_computes_something_else_and_keeps_no_file(tmp_path, make_checkpoint):
+def test_the_check_refuses_a_graph_that_computes_something_else(teacher_export):
     """ONNX Runtime against another network's numbers (one weight changed after the export): refused, one line."""
-    checkpoint = make_checkpoint(tmp_path / "run.ckpt", arch="resnet18", stem="cifar", size=32)
-    backbone, _ = load_backbone(checkpoint)
-    obow_onnx.write_onnx(backbone, tmp_path / "b.onnx", 32)
+    checkpoint, path = teacher_export
+    backbone, _ = load_backbone(checkpoint, network="teacher")
     model = obow_onnx._Features(backbone).eval()
-    assert obow_onnx.check_with_onnxruntime(model, tmp_path / "b.onnx", 32).startswith("onnxruntime ")
+    assert obow_onnx.check_with_onnxruntime(model, path, 32).startswith("onnxruntime ")
     with torch.no_grad():
         backbone.layer4[1].conv2.weight.mul_(1.01)  # 1 % on one convolution
     with pytest.raises(ValueError, match=r"ONNX Runtime's (pool5|conv5) differs from PyTorch's by .* not kept"):
-        obow_onnx.check_with_onnxruntime(model, tmp_path / "b.onnx", 32)
+        obow_onnx.check_with_onnxruntime(model, path, 32)
 
 
 @pytest.mark.slow

@@ -98,8 +98,8 @@ def test_the_views_of_the_reduced_image_follow_those_of_the_whole_one(tmp_path):
         assert stats.ks_2samp(a[kind]["sharpness"], c[kind]["sharpness"]).pvalue < 1e-6, kind
 
 
-def test_training_and_evaluation_decode_at_their_sides(tmp_path):
-    """The training loader's images keep the recipe's sharp side; an evaluation's the view's resize."""
+def test_training_decodes_at_its_sharp_side_and_evaluation_whole(tmp_path):
+    """The training loader's images keep the recipe's sharp side; an evaluation's are decoded whole."""
     (tmp_path / "a").mkdir()
     photo(1600, 1200).save(tmp_path / "a" / "0.jpg")
     cfg = load_config("imagenette_fast", [f"data.path={tmp_path}", "data.batch_size=1", "data.num_workers=0"])
@@ -109,4 +109,4 @@ def test_training_and_evaluation_decode_at_their_sides(tmp_path):
     dataset.transform = None  # the decoded image itself, not its views
     assert dataset[0]["image"].size == (400, 300)
     evaluated = eval_dataset(tmp_path, views_from_dict(None), labels="folders")
-    assert evaluated.draft_side == 256  # the paper's view for images of 256 px and more: Resize(256)
+    assert evaluated.draft_side == 0  # decoded whole: an export's usage lines compute obow's features exactly

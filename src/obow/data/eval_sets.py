@@ -55,12 +55,11 @@ def eval_dataset(
         images = root
     else:
         images = scan_labelled(root) if labels == "folders" else scan_images(root, labels=labels)
-    # a JPEG twice the view's resize or more decoded at a reduced scale, still at least that resize (load_rgb)
-    draft = views.teacher_resize
+    # every image decoded whole (no reduced JPEG decoding, unlike training's): the features are those an export's
+    # usage lines compute with torchvision, to float rounding
     if pixels:
-        return ImageDataset(images, eval_pixels_transform(views.teacher_resize, views.teacher_size), draft_side=draft)
-    transform = eval_transform(views.teacher_resize, views.teacher_size, views.mean, views.std)
-    return ImageDataset(images, transform, draft_side=draft)
+        return ImageDataset(images, eval_pixels_transform(views.teacher_resize, views.teacher_size))
+    return ImageDataset(images, eval_transform(views.teacher_resize, views.teacher_size, views.mean, views.std))
 
 
 def scan_labelled(root: str | Path) -> ImageList:

@@ -138,18 +138,7 @@ def export_backbone(
             f"checkpoint {str(checkpoint_path)!r} uses the {backbone.stem} stem; Detectron2's ResNet stem is the "
             "torchvision one (7x7 stride-2 conv1 and a max-pool), so only such backbones can be exported to it"
         )
-    meta = {
-        "format": fmt,
-        "arch": backbone.arch,
-        "stem": backbone.stem,
-        "network": network,
-        "source_checkpoint": str(checkpoint_path),
-        "epoch": info["epoch"],
-        "iteration": info["iteration"],
-        "obow_version": __version__,
-        "views": info["views"],
-        "created": datetime.datetime.now().isoformat(timespec="seconds"),
-    }
+    meta = describe_export(fmt, backbone, info, checkpoint_path, network)
     meta["container"] = "safetensors" if safetensors_path else "pickle" if fmt == "detectron2" else "torch.save"
     state: dict[str, Tensor] | None = None
     if source != "resnet":
@@ -182,14 +171,12 @@ def export_backbone(
     return meta
 
 
-def _export_onnx(checkpoint_path: str | Path, out_path: Path, network: str) -> dict[str, Any]:
-    """``obow export --out FILE.onnx``: the backbone as an ONNX graph (:mod:`obow.weights.onnx`) and its sidecar."""
-    check_can_write_onnx()  # before the checkpoint is read
-    backbone, info = load_backbone(checkpoint_path, network=network)
-    views = info["views"]
-    side = views["teacher_size"] if views else 224
-    meta = {
-        "format": "onnx",
+def describe_export(
+    fmt: str, backbone: Backbone, info: dict[str, Any], checkpoint_path: str | Path, network: str
+) -> dict[str, Any]:
+    """The sidecar's entries every export has: what the file is, which network of which checkpoint, the view."""
+    return {
+        "format": fmt,
         "arch": backbone.arch,
         "stem": backbone.stem,
         "network": network,
@@ -197,10 +184,18 @@ def _export_onnx(checkpoint_path: str | Path, out_path: Path, network: str) -> d
         "epoch": info["epoch"],
         "iteration": info["iteration"],
         "obow_version": __version__,
-        "views": views,
+        "views": info["views"],
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
-        "container": "onnx",
     }
+
+
+def _export_onnx(checkpoint_path: str | Path, out_path: Path, network: str) -> dict[str, Any]:
+    """``obow export --out FILE.onnx``: the backbone as an ONNX graph (:mod:`obow.weights.onnx`) and its sidecar."""
+    check_can_write_onnx()  # before the checkpoint is read
+    backbone, info = load_backbone(checkpoint_path, network=network)
+    views = info["views"]
+    side = views["teacher_size"] if views else 224
+    meta = {**describe_export("onnx", backbone, info, checkpoint_path, network), "container": "onnx"}
     with writing(out_path):
         meta.update(write_onnx(backbone, out_path, side))
     meta["usage"] = onnx_usage_lines(out_path, views)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +26,9 @@ from obow.config import load_config
 from obow.data.folders import ImageDataset, scan_images
 from obow.methods import build_views, cache_side
 
+sys.path.insert(0, str(Path(__file__).parent))
+from loader_throughput import rate_one_worker  # noqa: E402
+
 
 def sample_photos(folder: Path, count: int, width: int, height: int) -> Path:
     from sklearn.datasets import load_sample_image
@@ -35,13 +38,6 @@ def sample_photos(folder: Path, count: int, width: int, height: int) -> Path:
         photo = bases[i % 2].resize((width, height), Image.Resampling.BICUBIC).rotate(37 * i)
         photo.save(folder / f"IMG_{i:04d}.jpg", quality=90)
     return folder
-
-
-def rate(dataset: ImageDataset, images: int) -> float:
-    start = time.perf_counter()
-    for i in range(images):
-        dataset[(i % len(dataset), i)]
-    return images / (time.perf_counter() - start)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -64,11 +60,11 @@ def main(argv: list[str] | None = None) -> dict:
         views = build_views(cfg)
         datasets = {"whole": ImageDataset(images, views), "reduced": ImageDataset(images, views, draft_side=side)}
         for dataset in datasets.values():
-            rate(dataset, 2)  # first reads: the page cache, the transforms' set-up
+            rate_one_worker(dataset, 2)  # first reads: the page cache, the transforms' set-up
         rates: dict[str, list[float]] = {name: [] for name in datasets}
         for r in range(args.rounds):
             for name, dataset in datasets.items():
-                rates[name].append(rate(dataset, args.images))
+                rates[name].append(rate_one_worker(dataset, args.images))
             print(f"round {r + 1}: " + ", ".join(f"{name} {rates[name][-1]:.1f}" for name in datasets) + " images/s")
         decoded = datasets["reduced"][(0, 0)]
     medians = {name: float(np.median(values)) for name, values in rates.items()}

@@ -577,8 +577,8 @@ class _Run:
 
     def _split_given(self) -> str:
         """When ``--data`` is itself one of the splits (``my_images/train``) beside the other: which folder to give."""
-        parent = self.data.resolve().parent
-        if self.data.resolve().name in SPLITS and sum((parent / name).is_dir() for name in SPLITS) >= 2:
+        given = self.data.resolve()
+        if given.name in SPLITS and sum((given.parent / name).is_dir() for name in SPLITS) >= 2:
             return f" ({self.data} looks like one of them: give the folder that holds both, --data {self.data.parent})"
         return ""
 

@@ -1,6 +1,8 @@
 """One loader worker's images/s on phone-sized photos: each JPEG decoded whole, against decoded at a reduced scale
 that keeps the recipe's sharp side (``ImageDataset(draft_side=...)``, what ``obow pretrain`` does), in
-alternating rounds, with the recipe's views (decoding, EXIF, crops, colour jitter, blur: a worker's whole work).
+alternating rounds, with the recipe's views (decoding, EXIF, crops, colour jitter, blur: a worker's whole work);
+then, in alternating rounds too, one process decoding the photos into the device pipeline's image cache (decoding,
+EXIF, the resize to the sharp side: ``obow.data.cache._decode``), whole against reduced.
 
     python benchmarks/photo_decoding.py --config imagenette_fast --size 4032 3024 --rounds 3
     python benchmarks/photo_decoding.py --config imagenette_fast --folder DIR    # your own photos
@@ -16,6 +18,7 @@ import json
 import platform
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +26,7 @@ import torch
 from PIL import Image
 
 from obow.config import load_config
+from obow.data.cache import _decode
 from obow.data.folders import ImageDataset, scan_images
 from obow.methods import build_views, cache_side
 
@@ -38,6 +42,15 @@ def sample_photos(folder: Path, count: int, width: int, height: int) -> Path:
         photo = bases[i % 2].resize((width, height), Image.Resampling.BICUBIC).rotate(37 * i)
         photo.save(folder / f"IMG_{i:04d}.jpg", quality=90)
     return folder
+
+
+def rate_cache_decoding(paths: list[str], side: int, reduced: bool, images: int) -> float:
+    """Images/s of ``images`` photos (``paths`` in turn) decoded into the cache at ``side`` by one process."""
+    start = time.perf_counter()
+    for i in range(images):
+        pixels, why = _decode(paths[i % len(paths)], side, exact=False, reduced=reduced)
+        assert pixels is not None, why
+    return images / (time.perf_counter() - start)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -67,7 +80,16 @@ def main(argv: list[str] | None = None) -> dict:
                 rates[name].append(rate_one_worker(dataset, args.images))
             print(f"round {r + 1}: " + ", ".join(f"{name} {rates[name][-1]:.1f}" for name in datasets) + " images/s")
         decoded = datasets["reduced"][(0, 0)]
+        cache_rates: dict[str, list[float]] = {"whole": [], "reduced": []}
+        rate_cache_decoding(images.paths, side, True, 2)
+        for r in range(args.rounds):
+            for name in cache_rates:
+                cache_rates[name].append(rate_cache_decoding(images.paths, side, name == "reduced", args.images))
+            line = ", ".join(f"{name} {values[-1]:.1f}" for name, values in cache_rates.items())
+            print(f"cache round {r + 1}: {line} images/s")
+        stored = _decode(images.paths[0], side, exact=False)[0]
     medians = {name: float(np.median(values)) for name, values in rates.items()}
+    cache_medians = {name: float(np.median(values)) for name, values in cache_rates.items()}
     result = {
         "config": args.config,
         "sharp_side": side,
@@ -77,12 +99,20 @@ def main(argv: list[str] | None = None) -> dict:
         "median_images_per_s": medians,
         "speedup": medians["reduced"] / medians["whole"],
         "views_shapes": {k: list(v.shape) for k, v in decoded["image"].items()},
+        "cache_rounds": cache_rates,
+        "cache_median_images_per_s": cache_medians,
+        "cache_speedup": cache_medians["reduced"] / cache_medians["whole"],
+        "cache_stored_shape": list(stored.shape) if stored is not None else None,
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
     }
     print(
         f"{args.config}, sharp side {side} px: whole {medians['whole']:.1f}, reduced {medians['reduced']:.1f} "
         f"images/s a worker ({result['speedup']:.1f}x)"
+    )
+    print(
+        f"the image cache: whole {cache_medians['whole']:.1f}, reduced {cache_medians['reduced']:.1f} images/s a "
+        f"process ({result['cache_speedup']:.1f}x)"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -700,8 +700,8 @@ def test_busy_machine_reads_its_settings_and_a_runs_last_epoch(tmp_path):
 
 @pytest.mark.slow
 def test_photo_decoding_times_whole_and_reduced_jpegs_in_the_same_rounds(tmp_path, capsys):
-    """Two 480x360 sample photos, the tiny-sized rounds: both ways timed each round, the reduced images' views of the
-    recipe's shapes, the JSON as printed."""
+    """Two 480x360 sample photos, the tiny-sized rounds: both ways timed each round, by a worker and into the image
+    cache, the reduced images' views of the recipe's shapes and their cached size, the JSON as printed."""
     result = load_script("photo_decoding").main(
         ["--config", "imagenette_fast", "--size", "480", "360", "--photos", "2", "--images", "2", "--rounds", "2",
          "--json", str(tmp_path / "p.json")]
@@ -710,4 +710,8 @@ def test_photo_decoding_times_whole_and_reduced_jpegs_in_the_same_rounds(tmp_pat
     assert result["sharp_side"] == 233 and set(result["rounds"]) == {"whole", "reduced"}
     assert all(len(r) == 2 and min(r) > 0 for r in result["rounds"].values())
     assert result["views_shapes"]["teacher"] == [3, 80, 80]
-    assert "images/s a worker" in capsys.readouterr().out.splitlines()[-1]
+    assert set(result["cache_rounds"]) == {"whole", "reduced"}
+    assert all(len(r) == 2 and min(r) > 0 for r in result["cache_rounds"].values())
+    assert result["cache_stored_shape"] == [3, 233, 311]  # 480x360 kept at the sharp side, reduced or not
+    lines = capsys.readouterr().out.splitlines()
+    assert "images/s a worker" in lines[-2] and "images/s a process" in lines[-1]

@@ -5,13 +5,14 @@ work (a phone photo's epoch went from 9.1 s to 1.7 s in ``imagenette_fast``)."""
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, JpegImagePlugin
 from scipy import stats
 from sklearn.datasets import load_sample_image
 
 from obow import OBoWViews, load_config
+from obow.data.cache import build_cache, stored_sizes
 from obow.data.eval_sets import eval_dataset, views_from_dict
-from obow.data.folders import ImageDataset, load_rgb
+from obow.data.folders import ImageDataset, load_rgb, load_rgb_resized, scan_images
 from obow.methods import cache_side
 from obow.training.build import build_data
 
@@ -110,3 +111,87 @@ def test_training_decodes_at_its_sharp_side_and_evaluation_whole(tmp_path):
     assert dataset[0]["image"].size == (400, 300)
     evaluated = eval_dataset(tmp_path, views_from_dict(None), labels="folders")
     assert evaluated.draft_side == 0  # decoded whole: an export's usage lines compute obow's features exactly
+
+
+def filter_spread(path, size: tuple[int, int]) -> tuple[float, float]:
+    """How far the image cache's reduced decode of ``path`` at ``size`` is from the whole decode resized to it by
+    the cache's filter (bilinear, antialiased), and how far PIL's box filter of the whole decode is from that: the
+    mean absolute difference in levels of each."""
+    whole = load_rgb(path)
+    bilinear = np.asarray(whole.resize(size, Image.Resampling.BILINEAR, reducing_gap=None), dtype=float)
+    box = np.asarray(whole.resize(size, Image.Resampling.BOX), dtype=float)
+    reduced = np.asarray(load_rgb_resized(path, lambda w, h: size), dtype=float)
+    return float(np.abs(reduced - bilinear).mean()), float(np.abs(box - bilinear).mean())
+
+
+@pytest.mark.parametrize(("width", "height", "side"), [(1001, 803, 100), (1001, 803, 300), (1600, 1200, 300)])
+def test_a_reduced_decode_resized_is_as_close_to_the_whole_one_as_another_filter(tmp_path, width, height, side):
+    """:func:`load_rgb_resized`: the reduced pixels' box (the part the image covers: libjpeg rounds 1001/8 up to 126)
+    resized to the size differs from the whole decode resized no more than the box filter of the whole decode does
+    (1.1x at most). Resizing the reduced pixels without that box (126 columns taken for 125.125) is 2.4x further
+    (6.1 levels against 2.5 at 1001x803 to 125x100: measured)."""
+    photo(width, height).save(tmp_path / "a.jpg", quality=92)
+    size = (round(width * side / height), side)
+    assert load_rgb_resized(tmp_path / "a.jpg", lambda w, h: size).size == size
+    reduced, other_filter = filter_spread(tmp_path / "a.jpg", size)
+    assert reduced <= 1.1 * other_filter, (reduced, other_filter)
+    whole = load_rgb_resized(tmp_path / "a.jpg", lambda w, h: size, reduced=False)
+    expected = load_rgb(tmp_path / "a.jpg").resize(size, Image.Resampling.BILINEAR, reducing_gap=None)
+    assert np.array_equal(np.asarray(whole), np.asarray(expected))  # not reduced: as before, pixel for pixel
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_a_reduced_decode_is_made_upright_by_every_exif_orientation(tmp_path, orientation):
+    """The size is asked of the whole upright image (width and height swapped for a quarter turn), and the reduced
+    pixels are turned as the whole ones are: within a few levels of the whole decode resized (a turn or flip
+    missed would be tens of levels off)."""
+    img = photo(1001, 803)
+    exif = img.getexif()
+    exif[0x0112] = orientation
+    img.save(tmp_path / "a.jpg", exif=exif, quality=92)
+    asked = []
+
+    def size_of(width: int, height: int) -> tuple[int, int]:
+        asked.append((width, height))
+        return round(width * 100 / min(width, height)), round(height * 100 / min(width, height))
+
+    got = load_rgb_resized(tmp_path / "a.jpg", size_of)
+    whole = load_rgb(tmp_path / "a.jpg")
+    assert asked == [whole.size] == [(803, 1001) if orientation >= 5 else (1001, 803)]
+    expected = whole.resize(got.size, Image.Resampling.BILINEAR, reducing_gap=None)
+    assert got.size == size_of(*whole.size)
+    assert np.abs(np.asarray(got, dtype=float) - np.asarray(expected, dtype=float)).mean() < 3
+
+
+def test_the_image_cache_decodes_large_jpegs_reduced_at_the_whole_images_stored_size(tmp_path, monkeypatch):
+    """The device pipeline's cache: a JPEG of at least twice its stored size is decoded at a reduced scale (``draft``
+    called), stored at the size its whole decode is stored at (:func:`stored_sizes` of the whole upright size),
+    close to the whole decode resized (see above); a PNG and a JPEG under twice the size are decoded whole and
+    resized, pixel for pixel as before."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    photo(1001, 803).save(folder / "a.jpg", quality=92)
+    sideways = photo(1001, 803)
+    exif = sideways.getexif()
+    exif[0x0112] = 8
+    sideways.save(folder / "b.jpg", exif=exif, quality=92)
+    photo(300, 180).save(folder / "c.jpg", quality=92)  # under twice the size: whole, resized
+    photo(1001, 803).save(folder / "d.png")  # no reduced decoding for a PNG
+    drafts = []
+    draft = JpegImagePlugin.JpegImageFile.draft
+    monkeypatch.setattr(
+        JpegImagePlugin.JpegImageFile, "draft", lambda img, *args: drafts.append(img.size) or draft(img, *args)
+    )
+    side = 100
+    cache = build_cache(scan_images(folder, labels="none"), side, cache_dir=tmp_path / "cache")
+    assert drafts == [(1001, 803), (1001, 803)]  # the header's size, b's stored sideways
+    for position, path in enumerate(cache.images.paths):
+        whole = load_rgb(path)
+        height, width = stored_sizes(np.array([whole.height, whole.width]), side, exact=False)[0]
+        assert tuple(cache.sizes[position]) == (height, width), path
+        got = cache.batch(torch.tensor([position]))[0].numpy().transpose(1, 2, 0).astype(float)
+        expected = np.asarray(whole.resize((width, height), Image.Resampling.BILINEAR, reducing_gap=None), dtype=float)
+        if path.endswith(("c.jpg", "d.png")):
+            assert np.array_equal(got, expected), path
+        else:
+            assert 0 < np.abs(got - expected).mean() < 3, path

@@ -18,17 +18,19 @@ its own pixels (the render's resampling weights never reach past an image's own 
 read: :mod:`obow.data.batched_views`; ``[N, 3, h, w]`` at once when all images have one size, as CIFAR-10's do:
 no padding, the gather of a square cache as before).
 
-Every image keeps its whole area, as the worker pipeline sees it, so a crop may reach anywhere in it. Its size:
-with ``data.cache_size`` set, every image's shorter side is resized to it; by default an image whose shorter side
-is at most the *sharp side* (:func:`sharp_side`: the smallest shorter side at which none of the recipe's views is
-upsampled, 654 px for the paper's ImageNet views) is kept as it is, pixel for pixel, and a larger one is reduced
-to it (PIL's antialiased bilinear filter): a view of the cache is upsampled exactly when the worker pipeline's
-view of the original file is, and a phone photo does not take 36 MB. A cache larger than the free space of its
-folder is refused in one line before anything is written. Unreadable files are left out, with one warning that
+Every image keeps its whole area, as the worker pipeline sees it, so a crop may reach anywhere in it. Its size: with
+``data.cache_size`` set, every image's shorter side is resized to it; by default an image whose shorter side is at
+most the *sharp side* (:func:`sharp_side`: the smallest shorter side at which none of the recipe's views is
+upsampled, 654 px for the paper's ImageNet views) is kept as it is, pixel for pixel, and a larger one is reduced to
+it (PIL's antialiased bilinear filter): a view of the cache is upsampled exactly when the worker pipeline's view of
+the original file is, and a phone photo does not take 36 MB. A JPEG of at least twice that side is first decoded at
+libjpeg's reduced scale that keeps it above the side, as the worker pipeline decodes it, then resized: the same
+stored size, 6-9x faster for a 12 MP photo (``benchmarks/photo_decoding.py``). A cache larger than the free space of
+its folder is refused in one line before anything is written. Unreadable files are left out, with one warning that
 counts them by reason; the cache records each with its reason (:func:`~obow.data.folders.unreadable_reason`) and the
-loader names them in its batches, so that a run counts the same ``skipped_images`` as the worker pipeline does.
-Tiny images (:data:`~obow.data.folders.TINY_UPSCALE`) are kept, and the loader names them in its batches, for the
-run to report each once, as the worker pipeline does.
+loader names them in its batches, so that a run counts the same ``skipped_images`` as the worker pipeline does. Tiny
+images (:data:`~obow.data.folders.TINY_UPSCALE`) are kept, and the loader names them in its batches, for the run to
+report each once, as the worker pipeline does.
 
 Integrity. The metadata records the file's size and a CRC-32 of every :data:`BLOCK_BYTES` block, computed as the
 block is first written. A cache is checked when it is opened: its size against the metadata's (a truncated file),
@@ -74,7 +76,7 @@ from PIL import Image
 from obow.data.folders import (
     ImageList,
     forks_workers,
-    load_rgb,
+    load_rgb_resized,
     max_decoding_workers,
     tiny_below,
     unreadable_reason,
@@ -375,16 +377,19 @@ def known_summary(folder: Path, prefix: str) -> dict[str, Any] | None:
     return None
 
 
-def _decode(path: str, side: int, exact: bool) -> tuple[np.ndarray | None, str]:
-    """One image as ``[3, h, w]`` uint8 at its cached size (:func:`stored_sizes`), or ``None`` and why it cannot be
-    used (:func:`~obow.data.folders.unreadable_reason`)."""
+def _decode(path: str, side: int, exact: bool, reduced: bool = True) -> tuple[np.ndarray | None, str]:
+    """One image as ``[3, h, w]`` uint8 at its cached size (:func:`stored_sizes` of its whole size), or ``None`` and
+    why it cannot be used (:func:`~obow.data.folders.unreadable_reason`). ``reduced``: a JPEG of at least twice that
+    size is decoded at libjpeg's reduced scale first (:func:`~obow.data.folders.load_rgb_resized`)."""
+
+    def size_of(width: int, height: int) -> tuple[int, int]:
+        stored_height, stored_width = stored_sizes(np.array([height, width]), side, exact)[0]
+        return int(stored_width), int(stored_height)
+
     try:
-        img = load_rgb(path)
+        img = load_rgb_resized(path, size_of, reduced)
     except Exception as err:
         return None, unreadable_reason(err)
-    height, width = stored_sizes(np.array([img.height, img.width]), side, exact)[0]
-    if (height, width) != (img.height, img.width):
-        img = img.resize((int(width), int(height)), Image.Resampling.BILINEAR, reducing_gap=None)
     return np.asarray(img, dtype=np.uint8).transpose(2, 0, 1), ""
 
 

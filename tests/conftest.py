@@ -279,6 +279,13 @@ def obow_cli():
     return run
 
 
+def one_error_line(result: CliResult) -> str:
+    """The one line a command stopped by a user's mistake prints (exit status 2)."""
+    lines = result.err.strip().splitlines()
+    assert result.code == 2 and len(lines) == 1, result.err
+    return lines[0]
+
+
 @dataclass(frozen=True)
 class TinyRun:
     """A finished ``obow pretrain`` of the tiny recipe: 2 epochs of 3 steps on 24 images, kNN monitor on 6."""

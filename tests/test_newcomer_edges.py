@@ -154,6 +154,20 @@ def test_under_torchrun_only_the_main_process_prints_what_is_next(tmp_path, monk
     assert "done: 1 epoch, checkpoint" in capsys.readouterr().out  # not "1 epochs" (issue 45)
 
 
+def test_what_is_next_names_the_folder_that_holds_the_runs_train_split(tmp_path, capsys):
+    """After ``--data my_images/train`` beside ``my_images/val``, the eval line gives ``--data my_images`` (quoted
+    for the shell); a folder that is no split gets the placeholder."""
+    recipe = ["--config", str(V1 / "recipe.yaml"), "optim.epochs=1"]
+    photos = tmp_path / "my photos"
+    shutil.copytree(V1 / "images", photos / "train")
+    (photos / "val").mkdir()
+    assert main(["pretrain", *recipe, "--data", str(photos / "train"), "--out", str(tmp_path / "a")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"--data '{photos}'" in lines[-2] and lines[-2].startswith("next: obow eval knn --checkpoint")
+    assert main(["pretrain", *recipe, "--data", str(V1 / "images"), "--out", str(tmp_path / "b")]) == 0
+    assert "--data <folder with train/ and val/>" in capsys.readouterr().out.splitlines()[-2]
+
+
 def test_show_words_leaves_out_unused_words_and_titles_the_picture(tmp_path):
     from PIL import Image
 

@@ -2,6 +2,7 @@
 one, and the pictures hold what they should."""
 
 import json
+import os
 import re
 import shutil
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import one_error_line
 from PIL import Image
 from torch import nn
 
@@ -277,3 +279,30 @@ def test_show_neighbours_end_to_end(tiny_run, tmp_path, obow_cli):
             colour = tuple(image[y, x0 + 1])
             frames += colour in ((30, 170, 60), (210, 40, 40))
     assert frames == 24
+
+
+def test_a_picture_out_is_checked_before_the_work_and_a_folder_gets_the_picture(tiny_run, tmp_path, obow_cli):
+    """``show run`` and ``show neighbours`` write one picture: a name without a picture's ending, or with one the
+    writer (matplotlib, Pillow) does not know, is one line before any work and nothing is written (matplotlib
+    used to add ``.png`` to a name obow then reported without it; Pillow failed after the work); an existing
+    folder gets ``curves.png`` / ``neighbours.png`` inside it, and a known ending is written in that format."""
+    neighbours = ["show", "neighbours", "--checkpoint", tiny_run.checkpoint, "--data", tiny_run.data]
+    for argv in (["show", "run", tiny_run.out], neighbours):
+        command = argv[1]
+        line = one_error_line(obow_cli(*argv, "--out", tmp_path / "pictures", check=False))
+        assert line == (
+            f"obow: error: --out {tmp_path / 'pictures'}: obow show {command} writes one picture; give e.g. --out "
+            f"{tmp_path / 'pictures'}.png, or an existing folder"
+        )
+        line = one_error_line(obow_cli(*argv, "--out", tmp_path / "curves.xyz", check=False))
+        assert line.startswith(f"obow: error: --out {tmp_path / 'curves.xyz'}: obow show {command} cannot write a .xyz")
+        assert ".jpg" in line and ".png" in line and ".webp" in line
+        assert sorted(os.listdir(tmp_path)) == []
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    assert obow_cli("show", "run", tiny_run.out, "--out", folder).out.strip() == f"wrote {folder / 'curves.png'}"
+    assert Image.open(folder / "curves.png").format == "PNG"
+    assert f"wrote {tmp_path / 'c.pdf'}" in obow_cli("show", "run", tiny_run.out, "--out", tmp_path / "c.pdf").out
+    assert (tmp_path / "c.pdf").read_bytes().startswith(b"%PDF")
+    out = obow_cli(*neighbours, "--out", folder, "--queries", 2, "--k", 2, "--workers", 0, "--device", "cpu").out
+    assert f"wrote {folder / 'neighbours.png'}" in out and Image.open(folder / "neighbours.png").format == "PNG"

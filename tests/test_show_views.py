@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import one_error_line
 from PIL import Image
 
 from obow.config import load_config
@@ -109,12 +110,6 @@ def test_the_cli_pipelines_are_the_librarys():
     from obow.config.choices import PIPELINES
 
     assert set(VIEW_PIPELINES) == set(PIPELINES) - {"auto"}
-
-
-def one_error_line(result) -> str:
-    lines = result.err.strip().splitlines()
-    assert result.code == 2 and len(lines) == 1, result.err
-    return lines[0]
 
 
 def test_bad_input_is_one_line_and_writes_nothing(image_folder, tiny_recipe, tmp_path, obow_cli):

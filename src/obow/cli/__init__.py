@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -358,7 +359,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         return 0
     epochs = result["epochs"]
     print(f"done: {epochs} epoch{'' if epochs == 1 else 's'}, checkpoint {result['checkpoint']}")
-    print(f"next: obow eval knn --checkpoint {result['checkpoint']} --data <folder with train/ and val/>")
+    print(f"next: obow eval knn --checkpoint {result['checkpoint']} --data {eval_data(cfg.data.path)}")
     print(f"      obow export --checkpoint {result['checkpoint']} --out {out / 'backbone.pth'}")
     return 0
 
@@ -409,6 +410,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise oom from None
         raise
     return 0
+
+
+def eval_data(train: str | None) -> str:
+    """What ``obow eval`` takes as ``--data`` after a run on ``train``: the folder that holds it as ``train/`` beside
+    a ``val/`` or ``test/`` (``my_images`` after ``--data my_images/train``), else what such a folder holds."""
+    if train:
+        folder = Path(train)
+        if folder.name == "train" and any((folder.parent / split).is_dir() for split in ("val", "test")):
+            return shlex.quote(str(folder.parent))
+    return "<folder with train/ and val/>"
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:

@@ -43,13 +43,13 @@ def add_show_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
     p = kinds.add_parser("run", help="training curves of one or more runs (one PNG)")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="folders of obow pretrain runs (with log.jsonl)")
-    p.add_argument("--out", help="output PNG (default: curves.png in the first RUN_DIR)")
+    p.add_argument("--out", help="output picture, .png, .pdf, .svg, ... (default: curves.png in the first RUN_DIR)")
     p.set_defaults(func=run_run)
 
     p = kinds.add_parser("neighbours", help="nearest training images of a few queries, learned vs random init")
     p.add_argument("--checkpoint", required=True, help="a pretraining checkpoint, or the run folder of obow pretrain")
     p.add_argument("--data", required=True, help="folder holding train/ and val/ (or test/) class folders")
-    p.add_argument("--out", required=True, help="output PNG")
+    p.add_argument("--out", required=True, help="output picture (.png, .jpg, .webp, ...) or an existing folder")
     p.add_argument("--network", choices=NETWORKS, default="student", help="default student")
     p.add_argument("--queries", type=positive_int, default=8, help="query images from val/ or test/ (8)")
     p.add_argument("--k", type=positive_int, default=5, help="neighbours per query and network (5)")
@@ -93,6 +93,35 @@ def check_out_folder(out: str, command: str, writes: str) -> None:
                          f"give a folder, e.g. --out {folder}")  # fmt: skip
 
 
+def pil_suffixes() -> set[str]:
+    """The file name endings Pillow writes a picture for (``.png``, ``.jpg``, ``.webp``, ...)."""
+    from PIL import Image
+
+    Image.init()
+    return {suffix for suffix, kind in Image.registered_extensions().items() if kind in Image.SAVE}
+
+
+def matplotlib_suffixes() -> set[str]:
+    """The file name endings matplotlib saves a figure as (``.png``, ``.pdf``, ``.svg``, ...)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return {f".{suffix}" for suffix in FigureCanvasBase.get_supported_filetypes()}
+
+
+def picture_out(out: str, command: str, name: str, suffixes: set[str]) -> str:
+    """``--out`` of a command that writes one picture, checked before the work: an existing folder gets the picture
+    ``name`` inside it; a name without a picture's ending, or with one the writer does not know, is one line (the
+    writers would otherwise fail after the work, or add ``.png`` to a name obow then reports without it)."""
+    if os.path.isdir(out):
+        return os.path.join(out, name)
+    stem, suffix = os.path.splitext(os.path.normpath(out))
+    if suffix.lower() not in suffixes:
+        known = ", ".join(sorted(s for s in suffixes if s in PICTURE_SUFFIXES))
+        said = f"cannot write a {suffix} picture (it writes {known})" if suffix else "writes one picture"
+        raise ValueError(f"--out {out}: obow show {command} {said}; give e.g. --out {stem}.png, or an existing folder")
+    return out
+
+
 def run_words(args: argparse.Namespace) -> int:
     from obow.files import check_writable
     from obow.show.words import show_words
@@ -128,7 +157,10 @@ def run_words(args: argparse.Namespace) -> int:
 def run_run(args: argparse.Namespace) -> int:
     from obow.show.run_plots import plot_runs
 
-    out = args.out if args.out is not None else os.path.join(args.runs[0], "curves.png")
+    if args.out is None:
+        out = os.path.join(args.runs[0], "curves.png")
+    else:
+        out = picture_out(args.out, "run", "curves.png", matplotlib_suffixes())
     print(f"wrote {plot_runs(args.runs, out)}")
     return 0
 
@@ -138,6 +170,7 @@ def run_neighbours(args: argparse.Namespace) -> int:
     from obow.show.neighbours import show_neighbours
     from obow.weights.locate import checkpoint_path
 
+    args.out = picture_out(args.out, "neighbours", "neighbours.png", pil_suffixes())
     check_writable(args.out)  # before the work
 
     result = show_neighbours(

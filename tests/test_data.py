@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from obow.config import ViewsConfig
+from obow.data.decode import load_rgb
 from obow.data.folders import (
     EpochSampler,
     ImageDataset,
@@ -21,7 +22,6 @@ from obow.data.folders import (
     build_loader,
     collate,
     ignore_interrupt,
-    load_rgb,
     scan_images,
 )
 from obow.data.transforms import OBoWViews, eval_transform

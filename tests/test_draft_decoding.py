@@ -11,8 +11,9 @@ from sklearn.datasets import load_sample_image
 
 from obow import OBoWViews, load_config
 from obow.data.cache import build_cache, stored_sizes
+from obow.data.decode import load_rgb, load_rgb_resized
 from obow.data.eval_sets import eval_dataset, views_from_dict
-from obow.data.folders import ImageDataset, load_rgb, load_rgb_resized, scan_images
+from obow.data.folders import ImageDataset, scan_images
 from obow.methods import cache_side
 from obow.training.build import build_data
 

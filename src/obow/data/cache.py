@@ -27,7 +27,7 @@ the original file is, and a phone photo does not take 36 MB. A JPEG of at least 
 libjpeg's reduced scale that keeps it above the side, as the worker pipeline decodes it, then resized: the same
 stored size, 6-9x faster for a 12 MP photo (``benchmarks/photo_decoding.py``). A cache larger than the free space of
 its folder is refused in one line before anything is written. Unreadable files are left out, with one warning that
-counts them by reason; the cache records each with its reason (:func:`~obow.data.folders.unreadable_reason`) and the
+counts them by reason; the cache records each with its reason (:func:`~obow.data.decode.unreadable_reason`) and the
 loader names them in its batches, so that a run counts the same ``skipped_images`` as the worker pipeline does. Tiny
 images (:data:`~obow.data.folders.TINY_UPSCALE`) are kept, and the loader names them in its batches, for the run to
 report each once, as the worker pipeline does.
@@ -73,13 +73,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from obow.data.decode import load_rgb_resized, unreadable_reason
 from obow.data.folders import (
     ImageList,
     forks_workers,
-    load_rgb_resized,
     max_decoding_workers,
     tiny_below,
-    unreadable_reason,
 )
 from obow.data.identity import relative
 from obow.notices import counted
@@ -188,7 +187,7 @@ class ImageCache:
     where: str  # "memory" or "memory-mapped"
     resized: int  # images whose own size was not kept
     tiny: dict[int, int] = field(default_factory=dict)
-    #: the images of the folder left out, each with why (:func:`~obow.data.folders.unreadable_reason`)
+    #: the images of the folder left out, each with why (:func:`~obow.data.decode.unreadable_reason`)
     left_out: list[tuple[str, str]] = field(default_factory=list)
     #: the CRC-32 of every ``block`` bytes of :attr:`pixels` and which blocks were checked against it
     checksums: list[int] = field(default_factory=list)
@@ -379,8 +378,8 @@ def known_summary(folder: Path, prefix: str) -> dict[str, Any] | None:
 
 def _decode(path: str, side: int, exact: bool, reduced: bool = True) -> tuple[np.ndarray | None, str]:
     """One image as ``[3, h, w]`` uint8 at its cached size (:func:`stored_sizes` of its whole size), or ``None`` and
-    why it cannot be used (:func:`~obow.data.folders.unreadable_reason`). ``reduced``: a JPEG of at least twice that
-    size is decoded at libjpeg's reduced scale first (:func:`~obow.data.folders.load_rgb_resized`)."""
+    why it cannot be used (:func:`~obow.data.decode.unreadable_reason`). ``reduced``: a JPEG of at least twice that
+    size is decoded at libjpeg's reduced scale first (:func:`~obow.data.decode.load_rgb_resized`)."""
 
     def size_of(width: int, height: int) -> tuple[int, int]:
         stored_height, stored_width = stored_sizes(np.array([height, width]), side, exact)[0]

@@ -1,9 +1,10 @@
-"""Image folders, robust decoding and a seeded, resumable, rank-aware sampler (official notes section 4).
+"""Image folders, a dataset that survives bad files and a seeded, resumable, rank-aware sampler (official notes
+section 4).
 
 - :func:`scan_images` lists a folder of images, as class folders (like ``torchvision.datasets.ImageFolder``,
   used by the official code) or as one unlabelled pile.
-- :func:`load_rgb` turns any common file (JPEG, PNG, WebP, BMP, TIFF; grayscale, 16-bit, palette, CMYK,
-  alpha, EXIF-rotated) into an RGB PIL image.
+- Each file is decoded by :func:`obow.data.decode.load_rgb` (any common file: JPEG, PNG, WebP, BMP, TIFF;
+  grayscale, 16-bit, palette, CMYK, alpha, EXIF-rotated, into an RGB PIL image).
 - :class:`ImageDataset` skips unreadable files instead of crashing a long run, names the tiny images it uses
   (:data:`TINY_UPSCALE`), and applies its transform under a per-sample seed, so that a sample's views depend only
   on ``(index, seed)``.
@@ -29,21 +30,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from obow.checks import check_choice
 from obow.config.choices import LABEL_MODES
+from obow.data.decode import load_rgb, unreadable_reason
 from obow.notices import ObowWarning, counted
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 #: How many consecutive unreadable files a sample may skip before the dataset gives up.
 MAX_READ_TRIES = 32
-#: Modes whose pixels do not fit 8 bits; PIL's own convert("RGB") would clip them to 255.
-_HIGH_DEPTH_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
-_ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
 #: The most worker processes that decode a set of images once (the image cache, an evaluation set's one pass).
 MAX_DECODING_WORKERS = 16
 #: An evaluation set of at least this many images is decoded by one process per core (:func:`decoding_workers`); a
@@ -278,95 +276,6 @@ def scan_images(root: str | os.PathLike, labels: str = "auto", images_per_class:
         targets.extend([label] * len(kept))
     _warn_left_out(root, found)
     return ImageList(root=root, paths=paths, labels=targets, classes=classes)
-
-
-def load_rgb(path: str | os.PathLike, draft_side: int = 0) -> Image.Image:
-    """Decode an image file fully and return it as an 8-bit RGB PIL image.
-
-    ``draft_side``: a JPEG whose shorter side is at least twice this is decoded at 1/2, 1/4 or 1/8 of its size by
-    libjpeg's scaled decoding (PIL's ``draft``), the smallest scale that keeps its shorter side at least
-    ``draft_side``: a 12-megapixel phone photo decoded in 13 ms instead of 84, and no view made from an image of that
-    side is upsampled when ``draft_side`` is the recipe's sharp side (:func:`obow.methods.cache_side`). A smaller
-    JPEG and every other kind are decoded whole (0, the default: every image).
-
-    EXIF orientation is applied (phone photos are stored sideways). Grayscale, palette, CMYK and 16-bit or
-    float images are converted; 16-bit and 32-bit integer pixels are read on a 0..65535 scale and float pixels
-    on a 0..1 scale (PIL's own conversion would clip them to 255). Images with transparency are composited
-    onto white: the colour of a transparent pixel is arbitrary (whatever the encoder kept, often black), so
-    it must not reach the network. The whole file is decoded here, so truncated or corrupt files raise now
-    rather than inside a transform.
-    """
-    with Image.open(path) as img:
-        if draft_side > 0 and img.format == "JPEG" and min(img.size) >= 2 * draft_side:
-            img.draft(None, (draft_side, draft_side))  # the scale keeps both sides >= draft_side
-        # exif_transpose returns a decoded copy, detached from the file that the context manager closes
-        upright = ImageOps.exif_transpose(img)
-    rgb = _to_rgb(upright)
-    rgb.load()
-    return rgb
-
-
-#: EXIF orientations that turn an image a quarter: its width and height swap when it is made upright
-QUARTER_TURNS = {5, 6, 7, 8}
-
-
-def load_rgb_resized(
-    path: str | os.PathLike, size_of: Callable[[int, int], tuple[int, int]], reduced: bool = True
-) -> Image.Image:
-    """:func:`load_rgb`'s image resized to ``size_of(width, height)`` of its whole upright size (PIL's bilinear
-    filter, antialiased; not resized when that is its size). ``reduced``: a JPEG at least twice that size is decoded
-    at libjpeg's reduced scale (1/2, 1/4 or 1/8) that keeps it at least that size, and the part of the reduced
-    pixels the image covers (libjpeg rounds each side up) is resized, as Pillow's ``thumbnail`` does: the same size,
-    a 12 MP photo decoded several times faster. Any other image is decoded whole, then resized."""
-    with Image.open(path) as img:
-        quarter = img.getexif().get(ExifTags.Base.Orientation) in QUARTER_TURNS
-        width, height = img.size[::-1] if quarter else img.size
-        target = size_of(width, height)
-        stored = target[::-1] if quarter else target  # in the file's own orientation
-        if reduced and img.format == "JPEG" and min(img.size[0] // stored[0], img.size[1] // stored[1]) >= 2:
-            drafted = img.draft(None, stored)
-            if drafted is not None:
-                img.load()
-                resized = img.resize(stored, Image.Resampling.BILINEAR, box=drafted[1], reducing_gap=None)
-                rgb = _to_rgb(ImageOps.exif_transpose(resized))
-                rgb.load()
-                return rgb
-    rgb = load_rgb(path)
-    return rgb if rgb.size == target else rgb.resize(target, Image.Resampling.BILINEAR, reducing_gap=None)
-
-
-def unreadable_reason(err: BaseException) -> str:
-    """Why an image file cannot be used, in a few words, from the error decoding it raised (:func:`load_rgb`): both
-    pipelines name each image they skip with it."""
-    if isinstance(err, Image.DecompressionBombError):
-        return (
-            f"over Pillow's decompression-bomb limit ({err}; the limit is PIL.Image.MAX_IMAGE_PIXELS, "
-            f"{Image.MAX_IMAGE_PIXELS} pixels, and twice that refuses an image)"
-        )
-    if isinstance(err, UnidentifiedImageError):
-        return "not an image Pillow can identify (damaged, or another kind of file under an image's name)"
-    if isinstance(err, OSError):  # the system's error (a file gone, no permission), else Pillow's (truncated, ...)
-        return f"cannot be read ({err.strerror})" if err.strerror else f"damaged ({err})"
-    return f"unreadable ({type(err).__name__}: {err})" if str(err) else f"unreadable ({type(err).__name__})"
-
-
-def _to_rgb(img: Image.Image) -> Image.Image:
-    if img.mode in _HIGH_DEPTH_MODES:
-        return _high_depth_to_rgb(img)
-    if img.mode in _ALPHA_MODES or "transparency" in img.info:
-        rgba = img.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    if img.mode == "RGB":
-        return img
-    return img.convert("RGB")
-
-
-def _high_depth_to_rgb(img: Image.Image) -> Image.Image:
-    pixels = np.asarray(img, dtype=np.float64)
-    scale = 255.0 if img.mode == "F" else 255.0 / 65535.0
-    gray = np.clip(np.rint(np.nan_to_num(pixels * scale)), 0, 255).astype(np.uint8)
-    return Image.fromarray(gray).convert("RGB")
 
 
 @contextlib.contextmanager

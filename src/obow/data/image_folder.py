@@ -8,7 +8,7 @@ dataset does the same for the library's users, so that a script and the commands
 - the listing is :func:`obow.data.folders.scan_images`: class sub-folders (``labels="folders"``) or every image
   at any depth (``"none"``), hidden files and folders skipped, zero-byte files and files of other kinds left out,
   each kind in one warning line;
-- the decoding is :func:`obow.data.folders.load_rgb`: EXIF orientation applied, grayscale, palette, CMYK and
+- the decoding is :func:`obow.data.decode.load_rgb`: EXIF orientation applied, grayscale, palette, CMYK and
   16-bit images converted, transparency composited onto white;
 - a file that cannot be decoded is replaced by the next readable image (its own label with it, so no image
   gets another's label), with one warning per file and process naming it and why.

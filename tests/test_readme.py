@@ -16,7 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, before it joined the standard library
+    import tomli as tomllib
 
 import obow
 from obow.cli import build_parser, parse_args

@@ -61,6 +61,17 @@ def test_check_views_adds_the_view_axis_and_refuses_other_batches():
         check_views(teacher, [])
     with pytest.raises(ValueError, match=r"student_views\[1\] .* B=2"):
         check_views(teacher, [torch.zeros(2, 3, 4, 4), torch.zeros(3, 1, 3, 4, 4)])
+    # one tensor given for the list: iterated, its images would be taken for groups
+    with pytest.raises(
+        ValueError, match=r"a list of view groups, e\.g\. \[crops\] .* one tensor of shape \(2, 5, 3, 2, 2\)"
+    ):
+        check_views(teacher, torch.zeros(2, 5, 3, 2, 2))
+    # pixels as read from files (torchvision.io.read_image): torch's own error would be "expected scalar type Byte"
+    with pytest.raises(ValueError, match=r"teacher_images must hold float images.* got torch\.uint8"):
+        check_views(teacher.to(torch.uint8), [torch.zeros(2, 3, 4, 4)])
+    with pytest.raises(ValueError, match=r"student_views\[1\] must hold float images.* got torch\.uint8"):
+        check_views(teacher, [torch.zeros(2, 3, 4, 4), torch.zeros(2, 3, 4, 4, dtype=torch.uint8)])
+    check_views(teacher.bfloat16(), [torch.zeros(2, 3, 4, 4, dtype=torch.float16)])  # any float type
 
 
 def test_group_weight_sums_group_means_or_averages_views():

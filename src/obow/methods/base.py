@@ -104,9 +104,21 @@ def ema_update_(averages: Iterable[Tensor], sources: Iterable[Tensor], momentum:
 
 def check_views(teacher_images: Tensor, student_views: Sequence[Tensor]) -> list[Tensor]:
     """The student's view groups as ``[B, n, 3, h, w]`` tensors (a ``[B, 3, h, w]`` group gets ``n = 1``),
-    checked against the teacher batch ``B``."""
+    checked against the teacher batch ``B``, all float images (:class:`~obow.data.transforms.OBoWViews` makes them)."""
+    if isinstance(student_views, Tensor):  # iterating over it would take each image for a group
+        raise ValueError(
+            f"student_views must be a list of view groups, e.g. [crops] or [crops, patches], got one tensor of shape "
+            f"{tuple(student_views.shape)}"
+        )
     if len(student_views) == 0:
         raise ValueError("student_views must hold at least one group of views")
+    named = [("teacher_images", teacher_images), *((f"student_views[{i}]", v) for i, v in enumerate(student_views))]
+    for name, images in named:
+        if not images.is_floating_point():
+            raise ValueError(
+                f"{name} must hold float images, normalised as OBoWViews makes them, got {images.dtype} (pixels as "
+                "read from files: make the views with OBoWViews, or convert and normalise them as it does)"
+            )
     batch = teacher_images.shape[0]
     groups = [v if v.dim() == 5 else v.unsqueeze(1) for v in student_views]
     for i, views in enumerate(groups):

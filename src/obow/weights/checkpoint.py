@@ -299,7 +299,7 @@ def describe(obj: Any) -> str:
         if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
             return (
                 f"it holds a state_dict of {len(obj)} tensors (a backbone written by obow export, or another "
-                "library's weights; obow eval takes one with --backbone)"
+                "library's weights; obow eval takes one with --backbone, load_backbone with backbone_file=)"
             )
         keys = ", ".join(map(repr, list(obj)[:5]))
         return f"it holds a dictionary with the entries {keys}{' ...' if len(obj) > 5 else ''}"

@@ -53,6 +53,8 @@ def test_overrides_and_fractions():
     assert cfg.model.delta_base == pytest.approx(0.1) and cfg.model.levels == ("conv5",)
     assert parse_override("a.b.c=3") == {"a": {"b": {"c": 3}}}
     assert load_config(None).model == ModelConfig()
+    # one override as a string (iterated, its characters were taken for overrides: "override 'm' must look like ...")
+    assert load_config(PAPER_R50, "model.num_words=4096") == load_config(PAPER_R50, ["model.num_words=4096"])
 
 
 def test_unknown_keys_and_bad_values_name_the_key_and_what_is_allowed():

@@ -148,6 +148,23 @@ def test_views_have_the_configured_shapes():
     assert set(only_crops) == {"teacher", "crops"} and only_crops["crops"].shape == (1, 3, 24, 24)
 
 
+def test_views_of_the_wrong_things_are_one_clear_error():
+    """A recipe (or its model section) for the views' settings, a NumPy array for an image: one line saying what
+    to give instead, not an AttributeError inside the constructor or torchvision's "No image ... was found"."""
+    from obow.config import load_config
+
+    with pytest.raises(
+        TypeError, match=r"takes the views' settings, a ViewsConfig \(a recipe's: its \.views\), got Config"
+    ):
+        OBoWViews(load_config("cifar10_fast"))
+    with pytest.raises(TypeError, match=r"a ViewsConfig, got ModelConfig$"):
+        OBoWViews(load_config("cifar10_fast").model)
+    pixels = np.asarray(noise_image(60, 50))
+    with pytest.raises(TypeError, match=r"got a NumPy array of shape \(60, 50, 3\): PIL.Image.fromarray"):
+        OBoWViews(small_views())(pixels)
+    assert OBoWViews(small_views())(Image.fromarray(pixels))["teacher"].shape == (3, 32, 32)
+
+
 def test_normalisation_uses_the_configured_mean_and_std():
     colour = np.array([200, 100, 30])
     img = Image.fromarray(np.broadcast_to(colour.astype(np.uint8), (48, 48, 3)).copy())

@@ -118,14 +118,15 @@ def parse_override(item: str) -> dict[str, Any]:
     return value
 
 
-def load_config(source: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """A validated :class:`Config` from a built-in recipe name or a YAML path, plus ``key=value`` overrides.
+def load_config(source: str | Path | None = None, overrides: str | Sequence[str] = ()) -> Config:
+    """A validated :class:`Config` from a built-in recipe name or a YAML path, plus ``key=value`` overrides (a list
+    of them, or one as a string: ``load_config("cifar10_fast", "optim.epochs=30")``).
 
     With ``source=None`` the defaults (the paper's ResNet-50 recipe) are the starting point. A recipe may
     name another in ``base:`` and change only what differs.
     """
     raw = _resolve_recipe(source) if source is not None else {}
-    for item in overrides:
+    for item in [overrides] if isinstance(overrides, str) else overrides:
         raw = _merge(raw, parse_override(item))
     return from_dict(Config, raw)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from PIL import Image, ImageFilter
 from torchvision.transforms import v2
@@ -173,12 +174,20 @@ class OBoWViews:
     """
 
     def __init__(self, cfg: ViewsConfig) -> None:
+        if not isinstance(cfg, ViewsConfig):
+            views = " (a recipe's: its .views)" if hasattr(cfg, "views") else ""
+            raise TypeError(f"OBoWViews takes the views' settings, a ViewsConfig{views}, got {type(cfg).__name__}")
         self.num_crops = cfg.num_crops
         self.teacher = teacher_transform(cfg)
         self.crop = crop_transform(cfg) if cfg.num_crops > 0 else None
         self.patches = patch_transform(cfg) if cfg.num_patches > 0 else None
 
     def __call__(self, img: Image.Image) -> dict[str, torch.Tensor]:
+        if isinstance(img, np.ndarray):  # torchvision's transforms take no arrays ("No image ... was found")
+            raise TypeError(
+                f"OBoWViews takes a PIL image (or a [3, H, W] tensor), got a NumPy array of shape {img.shape}: "
+                "PIL.Image.fromarray(array) makes one"
+            )
         views = {"teacher": self.teacher(img)}
         if self.crop is not None:
             views["crops"] = torch.stack([self.crop(img) for _ in range(self.num_crops)])

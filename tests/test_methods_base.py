@@ -205,3 +205,22 @@ def test_group_by_group_gradients_equal_the_whole_step(method, rotnet_checkpoint
         grouped_state = grouped.state_dict()
         for name, value in whole.state_dict().items():  # teacher, vocabularies, queue: one update a step
             torch.testing.assert_close(grouped_state[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_from_config_takes_what_each_method_reads(rotnet_checkpoint):
+    """``OBoW.from_config`` takes the model section or the whole recipe (its model section: the same model); the
+    baselines read more than the model section (MoCo's ``moco`` and ``data``), and given only it say so in one line
+    instead of an AttributeError."""
+    from obow import BoWNet, MoCoV2, OBoW, RotNet
+
+    cfg = load_config(overrides=TINY)
+    torch.manual_seed(0)
+    whole = OBoW.from_config(cfg, total_iterations=10)
+    torch.manual_seed(0)
+    section = OBoW.from_config(cfg.model, total_iterations=10)
+    assert whole.state_dict().keys() == section.state_dict().keys()
+    pairs = zip(whole.state_dict().values(), section.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    for method in (MoCoV2, RotNet, BoWNet):
+        with pytest.raises(TypeError, match=rf"^{method.__name__}\.from_config takes a whole recipe, load_config"):
+            method.from_config(cfg.model, total_iterations=10)

@@ -102,6 +102,17 @@ def ema_update_(averages: Iterable[Tensor], sources: Iterable[Tensor], momentum:
         torch._foreach_lerp_(averages, sources, 1.0 - momentum)
 
 
+def whole_recipe(cfg: Any, method: str) -> Any:
+    """``cfg`` when it is a whole recipe (:class:`~obow.config.Config`: ``load_config(...)``), which ``method``'s
+    ``from_config`` reads beyond its model section; one line when it is a section of one."""
+    if not hasattr(cfg, "model"):
+        raise TypeError(
+            f"{method}.from_config takes a whole recipe, load_config(...), not its {type(cfg).__name__}: it reads "
+            "more than the model section"
+        )
+    return cfg
+
+
 def check_views(teacher_images: Tensor, student_views: Sequence[Tensor]) -> list[Tensor]:
     """The student's view groups as ``[B, n, 3, h, w]`` tensors (a ``[B, 3, h, w]`` group gets ``n = 1``),
     checked against the teacher batch ``B``, all float images (:class:`~obow.data.transforms.OBoWViews` makes them)."""

@@ -33,6 +33,7 @@ from obow.bow.predictor import BoWPredictor, build_predictor
 from obow.bow.targets import BoWExtractor, build_extractors, flatten_locations, remove_border
 from obow.bow.vocabulary import Vocabulary
 from obow.config import Config, ModelConfig
+from obow.methods.base import whole_recipe
 from obow.methods.obow import OBoW
 from obow.weights.checkpoint import load_checkpoint
 
@@ -152,6 +153,7 @@ class BoWNet(OBoW):
         """The model of a ``model.method=bownet`` recipe; loads the teacher from ``bownet.teacher``, unless
         ``load_teacher_file`` is false (a resumed run: the teacher's weights are in its checkpoint, so the run
         resumes even when that file is gone)."""
+        cfg = whole_recipe(cfg, "BoWNet")
         m = cfg.model
         if not cfg.bownet.teacher:
             raise ValueError(

@@ -79,7 +79,7 @@ from obow.checks import check_choice, check_positive, check_unit_interval
 from obow.config import Config
 from obow.config.choices import LOSS_WEIGHTINGS
 from obow.diagnostics import feature_diagnostics
-from obow.methods.base import Method, StepOutput, check_views, ema_update_, group_weight
+from obow.methods.base import Method, StepOutput, check_views, ema_update_, group_weight, whole_recipe
 from obow.methods.split_batchnorm import convert_split_batchnorm
 
 #: What ``moco.bn_splits: null`` aims for (:func:`auto_bn_splits`): sub-batches of at least this many images
@@ -220,6 +220,7 @@ class MoCoV2(Method):
         """The model of a whole :class:`~obow.config.Config`: ``model`` (backbone, loss weighting) and ``moco``
         (``moco.bn_splits: null``: :func:`auto_bn_splits` of this process's share of ``data.batch_size``, which
         ``moco.bn_splits`` must divide)."""
+        cfg = whole_recipe(cfg, "MoCoV2")
         m, moco = cfg.model, cfg.moco
         processes = D.world_size()
         local_batch = cfg.data.batch_size // processes

@@ -31,7 +31,7 @@ from obow.bow.predictor import BoWPredictor, build_predictor
 from obow.bow.targets import BoWExtractor, BoWTargets, build_extractors
 from obow.bow.vocabulary import build_vocabulary
 from obow.checks import check_choice, check_unit_interval
-from obow.config import ModelConfig
+from obow.config import Config, ModelConfig
 from obow.config.choices import LOSS_WEIGHTINGS, MOMENTUM_SCHEDULES
 from obow.data.cutmix import CutmixDraws, cutmix_masked, draw_cutmix, mix_targets
 from obow.diagnostics import feature_diagnostics, mean_pairwise_cosine
@@ -97,8 +97,11 @@ class OBoW(Method):
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, total_iterations: int) -> OBoW:
-        """Assemble the model a :class:`~obow.config.ModelConfig` describes."""
+    def from_config(cls, cfg: ModelConfig | Config, total_iterations: int) -> OBoW:
+        """Assemble the model a :class:`~obow.config.ModelConfig` describes (a whole recipe's ``model`` section when
+        given one, ``load_config(...)``)."""
+        if isinstance(cfg, Config):
+            cfg = cfg.model
         student = build_backbone(cfg.arch, cfg.stem, cfg.arch_options)
         extractors = build_extractors(cfg, student, lambda channels: build_vocabulary(cfg, channels))
         return cls(

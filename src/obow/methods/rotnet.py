@@ -19,7 +19,7 @@ from obow.backbones import Backbone, build_backbone
 from obow.bow.targets import at_least_float32
 from obow.config import Config
 from obow.diagnostics import feature_diagnostics
-from obow.methods.base import Method, StepOutput
+from obow.methods.base import Method, StepOutput, whole_recipe
 
 NUM_ROTATIONS = 4
 
@@ -58,6 +58,7 @@ class RotNet(Method):
 
     @classmethod
     def from_config(cls, cfg: Config, total_iterations: int) -> RotNet:
+        cfg = whole_recipe(cfg, "RotNet")
         m = cfg.model
         return cls(build_backbone(m.arch, m.stem, m.arch_options), total_iterations=total_iterations)
 

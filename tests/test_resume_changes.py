@@ -294,6 +294,31 @@ def test_the_image_list_is_trusted_only_when_it_matches_the_checkpoints_digest(t
     assert read_list(tmp_path / "missing.gz", identity.digest) is None
 
 
+def test_the_image_list_keeps_any_file_name_linux_allows(tmp_path):
+    """Newlines, carriage returns, backslashes, tabs, Unicode line separators and bytes that are no UTF-8 in file
+    names: the list reads back to the same names (a newline in one name made the whole list unreadable, and a resume
+    on changed images could not say which changed); a list written before the names were escaped still reads."""
+    import gzip
+
+    from obow.data.identity import DataIdentity, compare, digest, read_list, write_list
+
+    names = ["a/new\nline.png", "a/cr\rhere.png", "a/back\\slash\\n.png", "a/tab\there.png", "a/nel\x85.png",
+             "a/sep\u2028.png", "a/\udcff-not-utf8.png", "b/plain.png"]  # fmt: skip
+    files = sorted((name, 100 + i) for i, name in enumerate(names))
+    identity = DataIdentity(files, digest(files))
+    path = tmp_path / "images.tsv.gz"
+    write_list(identity, path)
+    assert read_list(path, identity.digest) == files
+    assert len(gzip.decompress(path.read_bytes()).split(b"\n")) == len(files) + 1  # one line a name
+    old = [(name, size) for name, size in files if "\n" not in name and "\r" not in name]  # what the old format kept
+    old_identity = DataIdentity(old, digest(old))
+    path.write_bytes(gzip.compress("".join(f"{n}\t{s}\n" for n, s in old).encode("utf-8", "surrogateescape")))
+    assert read_list(path, old_identity.digest) == old  # written raw: "back\slash\n" read as it was written
+    # a change names the file on the line, a name with a newline quoted as Python writes it
+    change = compare(files, [f for f in files if f[0] != "a/new\nline.png"])
+    assert change.describe() == "1 image removed (e.g. 'a/new\\nline.png')"
+
+
 def test_what_a_resume_says_of_its_images_when_the_list_or_the_record_is_missing(tmp_path, caplog):
     from obow.config import Config, DataConfig, to_dict
     from obow.data.folders import scan_images

@@ -2,7 +2,7 @@
 ``data.path`` and their sizes in bytes, and a SHA-256 digest of that list.
 
 A run records the digest (with the number of images and their bytes) in every checkpoint, and the list itself
-once in its run folder (:data:`LIST_NAME`, gzipped text, one ``path<TAB>size`` line per image). A resume
+once in its run folder (:data:`LIST_NAME`, gzipped text, one ``path<TAB>size`` line per image, :func:`escape`). A resume
 compares the images it finds with the checkpoint's (:func:`obow.training.run.data_check.check_same_data`): the same
 list under another ``data.path`` is the same data (a moved or remounted folder), and a different one is named
 by what changed (:func:`compare`). Identifying costs one ``stat`` per image, no read of its contents: an image
@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,24 +64,49 @@ def digest(files: list[tuple[str, int]]) -> str:
     return h.hexdigest()
 
 
+def escape(name: str) -> str:
+    r"""A path as one field of a line of the list: a backslash, a newline or a carriage return in a file name (all
+    legal on Linux) written as ``\\``, ``\n`` or ``\r``; a tab needs none (a line's last tab ends its path)."""
+    return name.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+
+
+_UNESCAPED = {"\\": "\\", "n": "\n", "r": "\r"}
+
+
+def unescape(field: str) -> str:
+    """:func:`escape`'s path back (a backslash before any other character stays as it is)."""
+    return re.sub(r"\\(.)", lambda m: _UNESCAPED.get(m[1], m[0]), field, flags=re.S)
+
+
 def write_list(identity: DataIdentity, path: Path) -> None:
-    """``identity``'s list at ``path`` (gzipped ``path<TAB>size`` lines; replaced whole, never half-written)."""
+    """``identity``'s list at ``path`` (gzipped ``path<TAB>size`` lines, the paths :func:`escape`'d; replaced whole,
+    never half-written)."""
     with writing(path.with_name(f".{path.name}.tmp")) as tmp:
         with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
-            f.writelines(f"{name}\t{size}\n".encode("utf-8", "surrogateescape") for name, size in identity.files)
+            f.writelines(
+                f"{escape(name)}\t{size}\n".encode("utf-8", "surrogateescape") for name, size in identity.files
+            )
         tmp.replace(path)
 
 
 def read_list(path: Path, expected_digest: str) -> list[tuple[str, int]] | None:
     """The list :func:`write_list` wrote at ``path``, when it is there, reads and has ``expected_digest`` (the
-    checkpoint's); else ``None``."""
+    checkpoint's); else ``None``. A list written before the paths were escaped (obow 0.1 before 2026-11-30) is read
+    as it was written."""
     try:
         with gzip.open(path, "rb") as f:
-            lines = f.read().decode("utf-8", "surrogateescape").splitlines()
-        files = [(name, int(size)) for name, _, size in (line.rpartition("\t") for line in lines)]
+            lines = f.read().decode("utf-8", "surrogateescape").split("\n")  # not splitlines: \x85, \u2028 ...
+        if lines[-1] != "":  # every line ends with a newline: cut short
+            return None
+        fields = [line.rpartition("\t") for line in lines[:-1]]
+        sizes = [int(size) for _, _, size in fields]
     except (OSError, ValueError, EOFError):
         return None
-    return files if digest(files) == expected_digest else None
+    for read in (unescape, str):
+        files = [(read(name), size) for (name, _, _), size in zip(fields, sizes, strict=True)]
+        if digest(files) == expected_digest:
+            return files
+    return None
 
 
 @dataclass(frozen=True)
@@ -100,7 +126,8 @@ class DataChange:
             return "no image added, removed or changed in size"
         said = [f"{n} {what}" for n, what, _ in found]
         said[0] = f"{found[0][0]} image{'s' * (found[0][0] > 1)} {found[0][1]}"
-        return f"{', '.join(said)} (e.g. {found[0][2]})"
+        example = found[0][2]
+        return f"{', '.join(said)} (e.g. {example if example.isprintable() else repr(example)})"  # a newline in it
 
 
 def compare(before: list[tuple[str, int]], now: list[tuple[str, int]]) -> DataChange:

@@ -45,6 +45,21 @@ def cached(tmp_path, monkeypatch):
     return images, cache, np.array(cache.pixels)
 
 
+def test_file_names_in_no_utf8_are_cached_and_read_back(tmp_path):
+    """A folder copied from an old archive, its names in Latin-1 (Python reads them as surrogates): the cache's keys
+    digest the names' bytes (encoding them as UTF-8 stopped the run), and a second run reads the same cache back."""
+    folder = os.path.join(os.fsencode(tmp_path / "data"), b"caf\xe9")
+    os.makedirs(folder)
+    for i in range(3):
+        Image.new("RGB", (12, 10), (40 * i, 0, 0)).save(os.fsdecode(os.path.join(folder, b"\xe9t\xe9%d.png" % i)))
+    images = scan_images(str(tmp_path / "data"), labels="folders")
+    assert images.classes == ["caf\udce9"] and images.paths[0].endswith("/caf\udce9/\udce9t\udce90.png")
+    cache = build_cache(images, 24, cache_dir=tmp_path / "cache")
+    again = build_cache(images, 24, cache_dir=tmp_path / "cache")
+    assert again.file == cache.file and len(list((tmp_path / "cache").glob("*.u8"))) == 1
+    assert np.array_equal(np.asarray(again.pixels), np.asarray(cache.pixels)) and cache.sizes.tolist() == [[10, 12]] * 3
+
+
 def rebuilt_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
 

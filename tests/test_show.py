@@ -174,6 +174,10 @@ def test_grid_and_html_hold_every_patch(tmp_path):
         "word 1: usage 12.50% of locations, 3 patches",
     ]
     assert all((tmp_path / src).is_file() for src in re.findall(r'src="([^"]+)"', page))
+    # a file name in no UTF-8 (an old archive's, read by Python with its bytes as surrogates): written escaped
+    patches[4][0]["name"] = "c4/caf\udce9 <1>.png"
+    page = write_html(patches, usage, tmp_path, "t").read_text()
+    assert "c4/caf\\udce9 &lt;1&gt;.png, location" in page
 
 
 @pytest.mark.slow

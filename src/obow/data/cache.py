@@ -335,7 +335,8 @@ def contents_key(images: ImageList) -> str:
     prefix = os.path.join(images.root, "")
     for path in images.paths:
         stat = os.stat(path)
-        digest.update(f"{relative(path, images.root, prefix)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        line = f"{relative(path, images.root, prefix)}\0{stat.st_size}\0{stat.st_mtime_ns}\n"
+        digest.update(line.encode("utf-8", "surrogateescape"))  # a name in no UTF-8 (an old archive's): its bytes
     return digest.hexdigest()[:20]
 
 
@@ -344,12 +345,12 @@ def names_key(images: ImageList) -> str:
     digest = hashlib.sha256()
     prefix = os.path.join(images.root, "")
     for path in images.paths:
-        digest.update(f"{relative(path, images.root, prefix)}\n".encode())
+        digest.update(f"{relative(path, images.root, prefix)}\n".encode("utf-8", "surrogateescape"))
     return digest.hexdigest()[:20]
 
 
 def folder_key(root: str) -> str:
-    return hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:12]
+    return hashlib.sha256(os.path.realpath(root).encode("utf-8", "surrogateescape")).hexdigest()[:12]
 
 
 def sizes_summary(images: ImageList) -> dict[str, Any]:

@@ -328,7 +328,7 @@ def write_html(patches: dict[int, list[dict[str, Any]]], usage: Tensor, out: Pat
         + "\n</body></html>\n"
     )
     with writing(out / "index.html") as path:
-        path.write_text(page)
+        path.write_text(page, encoding="utf-8", errors="backslashreplace")  # a file name in no UTF-8: its escapes
     return path
 
 

@@ -83,6 +83,11 @@ def test_unknown_keys_and_bad_values_name_the_key_and_what_is_allowed():
         load_config(PAPER_R50, ["train.precision=fp8"])
     with pytest.raises(ConfigError, match=r"must look like section.key=value"):
         load_config(PAPER_R50, ["optim.lr"])
+    with pytest.raises(ConfigError, match=r"override 'optim.lr=\[1,': cannot read the value \(while parsing") as bad:
+        load_config(PAPER_R50, ["optim.lr=[1,"])
+    assert "\n" not in str(bad.value)  # YAML's message spans three lines: one here
+    # a path named in no UTF-8 (bytes read as surrogates), which YAML cannot read, is the string it is
+    assert load_config(PAPER_R50, ["data.path=/data/caf\udce9"]).data.path == "/data/caf\udce9"
     with pytest.raises(ConfigError, match=r"unknown recipe 'nope'.*imagenet_resnet50_full"):
         load_config("nope")
 

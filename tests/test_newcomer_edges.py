@@ -168,6 +168,33 @@ def test_what_is_next_names_the_folder_that_holds_the_runs_train_split(tmp_path,
     assert "--data <folder with train/ and val/>" in capsys.readouterr().out.splitlines()[-2]
 
 
+def test_a_run_folder_named_in_no_utf8_trains_resumes_and_draws(tmp_path, caplog):
+    """``--out`` and images named in an old archive's Latin-1 (Python reads the bytes as surrogates): TensorBoard
+    cannot write there (its writer stopped the run with "'utf-8' codec can't encode"), so the run goes on without
+    it, saying so in one line, and resumes; ``obow show run`` draws the folder's name escaped (matplotlib raised)."""
+    import os
+
+    from obow.show import drawable
+
+    assert drawable("caf\udce9") == "caf\\xe9" and drawable("café") == "café"
+    out = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"caf\xe9"))
+    images = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"\xe9t\xe9"))
+    shutil.copytree(V1 / "images", images)
+    args = ["pretrain", "--config", str(V1 / "recipe.yaml"), "--data", images, "--out", out, "train.tensorboard=true"]
+    with caplog.at_level(logging.WARNING, logger="obow"):
+        assert main([*args, "optim.epochs=1"]) == 0
+    said = [r.getMessage() for r in caplog.records if "TensorBoard" in r.getMessage()]
+    assert said == [
+        f"no TensorBoard logs in {out}: the folder's name is not UTF-8 and TensorBoard cannot write there; log.jsonl "
+        "holds every value (train.tensorboard=false leaves them out without this line)"
+    ]
+    assert main([*args, "optim.epochs=2"]) == 0
+    records = [json.loads(line) for line in Path(out, "log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records if r.get("type") == "epoch"] == [1, 2]
+    assert not Path(out, "tensorboard").exists()
+    assert main(["show", "run", out]) == 0 and Path(out, "curves.png").stat().st_size > 0
+
+
 def test_show_words_leaves_out_unused_words_and_titles_the_picture(tmp_path):
     from PIL import Image
 

@@ -109,10 +109,17 @@ def parse_override(item: str) -> dict[str, Any]:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"override {item!r} has an empty key part")
+    value: Any
     try:
-        value: Any = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"override {item!r}: cannot read the value ({err})") from None
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a path named in no UTF-8 (its bytes read as surrogates), which YAML cannot read
+        value = text
+    else:
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as err:
+            said = " ".join(str(err).split())  # YAML's message spans lines
+            raise ConfigError(f"override {item!r}: cannot read the value ({said})") from None
     for part in reversed(parts):
         value = {part: value}
     return value

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from obow.files import writing
+from obow.show import drawable
 
 
 @dataclass
@@ -68,7 +69,7 @@ def read_run(run_dir: str | Path) -> RunLog:
             steps.append(record)
     if not steps and not epochs:
         raise ValueError(f"{path} holds no records yet")
-    return RunLog(Path(run_dir).resolve().name, steps, epochs)
+    return RunLog(drawable(Path(run_dir).resolve().name), steps, epochs)  # a name to draw
 
 
 def _numeric_keys(records: list[dict]) -> list[str]:

@@ -31,6 +31,7 @@ from PIL import Image
 from obow.config import Config
 from obow.files import is_inside, writing
 from obow.notices import release_notices
+from obow.show import drawable
 from obow.show.words import view_pixels
 
 #: The keys of a batch's views (both pipelines, every method) and the word each view's file name holds.
@@ -120,8 +121,8 @@ def overview_figure(pixels: dict[str, np.ndarray], paths: list[str], title: str)
             side = pixels[key].shape[-2]
             label = VIEW_NAMES[key] if key == "teacher" else f"{VIEW_NAMES[key]} {j + 1}"
             ax.set_title(f"{label} ({side} px)" if i == 0 else label, fontsize=7)
-        axes[i, 0].set_ylabel(f"{i}: {Path(path).name}", fontsize=7)
-    fig.suptitle(title, fontsize=9)
+        axes[i, 0].set_ylabel(drawable(f"{i}: {Path(path).name}"), fontsize=7)
+    fig.suptitle(drawable(title), fontsize=9)
     fig.tight_layout()
     return fig
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from obow import distributed as D
 from obow.config import Config
 from obow.files import writing
+from obow.notices import ObowWarning
 
 log = logging.getLogger("obow")
 
@@ -21,6 +23,16 @@ log = logging.getLogger("obow")
 def log_main(message: str, *args: Any, level: int = logging.INFO) -> None:
     if D.is_main_process():
         log.log(level, message, *args)
+
+
+def utf8_path(path: Path) -> bool:
+    """Whether ``path``'s name is UTF-8 (a folder named in an old archive's Latin-1 is not: Python reads its bytes as
+    surrogates)."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class RunLogger:
@@ -35,11 +47,18 @@ class RunLogger:
             with writing(self.jsonl_path):
                 self.jsonl = open(self.jsonl_path, "a")  # noqa: SIM115 - closed in close()
         self.tb = None
-        if enabled and cfg.train.tensorboard:
+        if enabled and cfg.train.tensorboard and utf8_path(out):
             from torch.utils.tensorboard import SummaryWriter
 
             with writing(out / "tensorboard"):
                 self.tb = SummaryWriter(str(out / "tensorboard"))
+        elif enabled and cfg.train.tensorboard:  # TensorBoard's writer encodes its path as UTF-8, and stops the run
+            warnings.warn(
+                f"no TensorBoard logs in {out}: the folder's name is not UTF-8 and TensorBoard cannot write there; "
+                "log.jsonl holds every value (train.tensorboard=false leaves them out without this line)",
+                ObowWarning,
+                stacklevel=2,
+            )
         self.last_time = time.time()
         self.last_iteration: int | None = None
 

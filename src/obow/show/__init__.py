@@ -12,4 +12,3 @@ def drawable(text: str) -> str:
     """``text`` as matplotlib and Pillow can draw it: the bytes of a name in no UTF-8 (an old archive's Latin-1, which
     Python reads as surrogates, and which matplotlib refuses with an error) written as escapes, ``caf\\xe9``."""
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-

@@ -29,3 +29,13 @@ def check_unit_interval(name: str, value: float, *, closed: bool = True) -> None
     ok = 0 <= value <= 1 if closed else 0 <= value < 1
     if not ok:
         raise ValueError(f"{name} must be in [0, 1{']' if closed else ')'}, got {value!r}")
+
+
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8: a path named in no UTF-8 (an old archive's Latin-1) does not, Python reading
+    its bytes as surrogates, which YAML, TensorBoard and matplotlib refuse."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -413,13 +413,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def eval_data(train: str | None) -> str:
-    """What ``obow eval`` takes as ``--data`` after a run on ``train``: the folder that holds it as ``train/`` beside
-    a ``val/`` or ``test/`` (``my_images`` after ``--data my_images/train``), else what such a folder holds."""
-    if train:
-        folder = Path(train)
-        if folder.name == "train" and any((folder.parent / split).is_dir() for split in ("val", "test")):
-            return shlex.quote(str(folder.parent))
-    return "<folder with train/ and val/>"
+    """What ``obow eval`` takes as ``--data`` after a run on ``train``: the folder that holds it beside a ``val/`` or
+    ``test/`` (``my_images`` after ``--data my_images/train``, :func:`~obow.cli.common.splits_folder`), else what such
+    a folder holds."""
+    from obow.cli.common import splits_folder
+
+    folder = splits_folder(train) if train else None
+    return shlex.quote(str(folder)) if folder is not None else "<folder with train/ and val/>"
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:

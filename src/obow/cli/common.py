@@ -57,3 +57,17 @@ def device_from_name(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
     return device
+
+
+#: The folders an evaluation's ``--data`` holds (training images, and the images evaluated).
+SPLITS = ("train", "val", "test")
+
+
+def splits_folder(folder: str | Path) -> Path | None:
+    """The folder that holds ``folder`` as one of its :data:`SPLITS` beside another (``my_images`` for
+    ``my_images/train`` beside ``my_images/val``): what ``obow eval`` takes as ``--data``; else ``None``."""
+    given = Path(folder)
+    resolved = given.resolve()
+    if resolved.name in SPLITS and sum((resolved.parent / split).is_dir() for split in SPLITS) >= 2:
+        return given.parent if given.name == resolved.name else resolved.parent
+    return None

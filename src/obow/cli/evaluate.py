@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from obow import __version__
-from obow.cli.common import NETWORKS, STEMS, device_from_name, positive_float, positive_int, write_json
+from obow.cli.common import NETWORKS, STEMS, device_from_name, positive_float, positive_int, splits_folder, write_json
 from obow.notices import ObowWarning
 
 if TYPE_CHECKING:
@@ -54,7 +54,6 @@ if TYPE_CHECKING:
 PROTOCOLS = ("knn", "linear", "fewshot", "finetune", "svm")
 EXTRACT_BATCH = 256
 #: The split folders under --data; one of them given as --data is named in the error, with the folder to give.
-SPLITS = ("train", "val", "test")
 # Spelled out so that building the parser imports no PyTorch; tests/test_rough_edges.py checks each.
 LINEAR_PRESET_NAMES = ("resnet18", "resnet50")  # obow.evaluate.linear.LINEAR_PRESETS
 #: Fine-tuning presets by labelled fraction (paper section 4.3; obow.evaluate.finetune.FINETUNE_PRESETS).
@@ -577,9 +576,8 @@ class _Run:
 
     def _split_given(self) -> str:
         """When ``--data`` is itself one of the splits (``my_images/train``) beside the other: which folder to give."""
-        given = self.data.resolve()
-        if given.name in SPLITS and sum((given.parent / name).is_dir() for name in SPLITS) >= 2:
-            return f" ({self.data} looks like one of them: give the folder that holds both, --data {self.data.parent})"
+        if (folder := splits_folder(self.data)) is not None:
+            return f" ({self.data} looks like one of them: give the folder that holds both, --data {folder})"
         return ""
 
     def splits(self) -> tuple[ImageList, ImageList]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from obow.checks import is_utf8
 from obow.config.schema import Config, ConfigError, from_dict, to_dict
 from obow.files import writing
 
@@ -109,12 +110,8 @@ def parse_override(item: str) -> dict[str, Any]:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"override {item!r} has an empty key part")
-    value: Any
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # a path named in no UTF-8 (its bytes read as surrogates), which YAML cannot read
-        value = text
-    else:
+    value: Any = text  # a path named in no UTF-8, which YAML cannot read, is the string it is
+    if is_utf8(text):
         try:
             value = yaml.safe_load(text) if text.strip() else None
         except yaml.YAMLError as err:

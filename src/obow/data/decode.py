@@ -40,9 +40,13 @@ def load_rgb(path: str | os.PathLike, draft_side: int = 0) -> Image.Image:
     with Image.open(path) as img:
         if draft_side > 0 and img.format == "JPEG" and min(img.size) >= 2 * draft_side:
             img.draft(None, (draft_side, draft_side))  # the scale keeps both sides >= draft_side
-        # exif_transpose returns a decoded copy, detached from the file that the context manager closes
-        upright = ImageOps.exif_transpose(img)
-    rgb = _to_rgb(upright)
+        return upright_rgb(img)
+
+
+def upright_rgb(img: Image.Image) -> Image.Image:
+    """``img`` turned by its EXIF orientation and converted to 8-bit RGB (:func:`_to_rgb`), decoded: a copy detached
+    from the file its caller's context manager closes."""
+    rgb = _to_rgb(ImageOps.exif_transpose(img))
     rgb.load()
     return rgb
 
@@ -68,11 +72,8 @@ def load_rgb_resized(
             drafted = img.draft(None, stored)
             if drafted is not None:
                 img.load()
-                resized = img.resize(stored, Image.Resampling.BILINEAR, box=drafted[1], reducing_gap=None)
-                rgb = _to_rgb(ImageOps.exif_transpose(resized))
-                rgb.load()
-                return rgb
-    rgb = load_rgb(path)
+                return upright_rgb(img.resize(stored, Image.Resampling.BILINEAR, box=drafted[1], reducing_gap=None))
+        rgb = upright_rgb(img)
     return rgb if rgb.size == target else rgb.resize(target, Image.Resampling.BILINEAR, reducing_gap=None)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from obow import distributed as D
+from obow.checks import is_utf8
 from obow.config import Config
 from obow.files import writing
 from obow.notices import ObowWarning
@@ -23,16 +24,6 @@ log = logging.getLogger("obow")
 def log_main(message: str, *args: Any, level: int = logging.INFO) -> None:
     if D.is_main_process():
         log.log(level, message, *args)
-
-
-def utf8_path(path: Path) -> bool:
-    """Whether ``path``'s name is UTF-8 (a folder named in an old archive's Latin-1 is not: Python reads its bytes as
-    surrogates)."""
-    try:
-        str(path).encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class RunLogger:
@@ -47,7 +38,7 @@ class RunLogger:
             with writing(self.jsonl_path):
                 self.jsonl = open(self.jsonl_path, "a")  # noqa: SIM115 - closed in close()
         self.tb = None
-        if enabled and cfg.train.tensorboard and utf8_path(out):
+        if enabled and cfg.train.tensorboard and is_utf8(str(out)):
             from torch.utils.tensorboard import SummaryWriter
 
             with writing(out / "tensorboard"):
